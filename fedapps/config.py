@@ -1,0 +1,140 @@
+"""Compose the run configuration with Hydra from ``conf/`` (no ``@hydra.main`` inside apps).
+
+One function, :func:`compose`, is used by the ServerApp (from Flower's ``run_config``),
+by the ``postcard`` CLI and by tests, so a run means the same thing however it starts.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("algorithm", "task", "model", "partition", "preset")
+# run_config keys (pyproject [tool.flwr.app.config]) that are not Hydra groups
+RUN_CONFIG_KEYS = (*GROUPS, "overrides", "output-dir")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be composed; the message lists the valid choices."""
+
+
+def choices(group: str) -> list[str]:
+    """The options of a config group, i.e. the yaml files in ``conf/<group>/``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _check_choice(group: str, value: str) -> None:
+    valid = choices(group)
+    if value not in valid:
+        raise ConfigError(f"unknown {group} '{value}'; valid choices: {', '.join(valid)}")
+
+
+def compose(overrides: Sequence[str] | str = (), **groups: str | None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with group choices and Hydra overrides.
+
+    ``compose(["train.lr=1e-4"], algorithm="fedprox", task="mmlu")``; empty or ``None``
+    group values keep the defaults. Raises :class:`ConfigError` for an unknown group
+    choice or key, naming what is valid.
+    """
+    if isinstance(overrides, str):
+        overrides = shlex.split(overrides)
+    items: list[str] = []
+    for group, value in groups.items():
+        if group not in GROUPS:
+            raise ConfigError(f"unknown config group '{group}'; valid groups: {', '.join(GROUPS)}")
+        if value:
+            _check_choice(group, str(value))
+            items.append(f"{group}={value}")
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key in GROUPS and "=" in item:
+            _check_choice(key, item.split("=", 1)[1])
+    items.extend(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="postcard"):
+            cfg = hydra_compose(config_name="config", overrides=items)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(_explain(err)) from None
+    return finalize(cfg)
+
+
+def _explain(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines else type(err).__name__
+    if "not in struct" in str(err):
+        text += " (check the key's spelling against `postcard --cfg job`)"
+    return f"invalid configuration: {text}"
+
+
+# keys whose values must be numbers: (dotted key, type, lower bound)
+_NUMERIC = (
+    ("rounds", int, 1),
+    ("num_clients", int, 1),
+    ("seed", int, 0),
+    ("train.lr", float, 0.0),
+    ("train.local_steps", int, 1),
+    ("train.batch_size", int, 1),
+    ("train.seq_len", int, 2),
+    ("eval.batch_size", int, 1),
+    ("eval.max_batches", int, 0),
+)
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    for key, kind, low in _NUMERIC:
+        value = OmegaConf.select(cfg, key)
+        if value is None and key == "num_clients":
+            continue  # resolved at run start: the number of connected SuperNodes
+        try:
+            number = kind(value)
+            if isinstance(value, bool) or (kind is int and float(value) != number):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+        if number < low or (kind is float and number == low == 0.0):
+            raise ConfigError(f"{key} must be {'>' if kind is float else '>='} {low}, got {value!r}")
+
+
+def compose_from_run_config(run_config: Mapping[str, object]) -> DictConfig:
+    """Flower ``context.run_config`` (pyproject keys + ``--run-config``) -> composed config."""
+    unknown = sorted(set(run_config) - set(RUN_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown run-config keys {unknown}; valid keys: {', '.join(RUN_CONFIG_KEYS)}")
+    overrides = shlex.split(str(run_config.get("overrides", "") or ""))
+    output_dir = str(run_config.get("output-dir", "") or "")
+    if output_dir:
+        overrides.append(f"output_dir={output_dir}")
+    return compose(overrides, **{g: str(run_config.get(g, "") or "") for g in GROUPS})
+
+
+def finalize(cfg: DictConfig) -> DictConfig:
+    """Fill the derived defaults (client count) and check cross-group consistency."""
+    OmegaConf.set_struct(cfg, False)
+    _check_numbers(cfg)
+    kind = cfg.model.kind
+    if cfg.task.kind in ("lm", "mcq") and kind != "causal_lm":
+        raise ConfigError(f"task '{cfg.task.name}' needs a causal LM, but model '{cfg.model.name}' is {kind}")
+    if cfg.task.kind == "image" and kind != "vision":
+        raise ConfigError(f"task '{cfg.task.name}' needs a vision model, but model '{cfg.model.name}' is {kind}")
+    if cfg.algorithm.trainable == "lora" and kind != "causal_lm":
+        raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM; use fedavg-full for '{cfg.model.name}'")
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def from_yaml(text: str) -> DictConfig:
+    cfg = OmegaConf.create(text)
+    OmegaConf.set_struct(cfg, True)
+    return cfg

@@ -1,0 +1,144 @@
+"""The run folder: config.yaml, metrics.jsonl, summary.json, plots, final global state.
+
+``<output_dir>/<run_name>/`` where ``output_dir`` defaults to ``$POSTCARD_OUTPUTS`` or
+``./outputs`` (made absolute at start: a ServerApp's working directory is the
+SuperLink's, so relative paths would land somewhere surprising).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from logging import INFO
+from pathlib import Path
+
+import numpy as np
+from flwr.common.logger import log
+from omegaconf import OmegaConf
+
+from fedapps.config import to_yaml
+
+
+def output_root(cfg) -> Path:
+    root = cfg.get("output_dir") or os.environ.get("POSTCARD_OUTPUTS") or (Path.cwd() / "outputs")
+    return Path(str(root)).expanduser().resolve()
+
+
+class RunDir:
+    def __init__(self, cfg) -> None:
+        name = cfg.get("run_name") or (
+            f"{dt.datetime.now():%Y%m%d-%H%M%S}_{cfg.algorithm.name}_{cfg.task.name}_{cfg.model.name}"
+        )
+        path = output_root(cfg) / str(name)
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = output_root(cfg) / f"{name}-{suffix}"
+        path.mkdir(parents=True)
+        self.path = path
+        self.cfg = cfg
+        self.metric = str(cfg.task.metric)
+        (path / "config.yaml").write_text(to_yaml(cfg))
+        self._header_printed = False
+
+    # ------------------------------------------------------------------ per round
+    def write_round(self, record: dict) -> None:
+        with open(self.path / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self._print_row(record)
+
+    def _print_row(self, record: dict) -> None:
+        clients = record["clients"]
+        up = [c.get("uplink_payload_bytes") for c in clients if c.get("uplink_payload_bytes") is not None]
+        down = [c.get("train_downlink_payload_bytes") for c in clients if c.get("train_downlink_payload_bytes")]
+        losses = [c["train_loss"] for c in clients if "train_loss" in c]
+        if not self._header_printed:
+            log(INFO, "%5s | %12s | %10s | %14s | %14s | %8s | %s", "round", self.metric, "train loss",
+                "uplink B/client", "downlink B/client", "seconds", "refused")
+            self._header_printed = True
+        metric = record["eval"].get(self.metric)
+        log(INFO, "%5d | %12s | %10s | %14s | %14s | %8.1f | %d", record["round"],
+            f"{metric:.4f}" if metric is not None else "-",
+            f"{np.mean(losses):.4f}" if losses else "-",
+            f"{int(np.mean(up)):,}" if up else "-",
+            f"{int(np.mean(down)):,}" if down else "-",
+            record["seconds"], len(record["refused"]))
+
+    # ------------------------------------------------------------------ end of run
+    def finish(self, history: list[dict], extra: dict | None = None) -> dict:
+        summary = summarize(self.cfg, history)
+        summary.update(extra or {})
+        summary["run_dir"] = str(self.path)
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        try:
+            plot_run(history, self.metric, self.path)
+        except Exception as err:  # a plot must never lose the run's results
+            log(INFO, "plots skipped: %s", err)
+        log(INFO, "Final %s: %s (round 0: %s); uplink %s bytes per client per round",
+            self.metric, summary.get("final_metric"), summary.get("initial_metric"),
+            summary.get("uplink_bytes_per_client_round"))
+        log(INFO, "Results in %s", self.path)
+        return summary
+
+
+def summarize(cfg, history: list[dict]) -> dict:
+    metric = str(cfg.task.metric)
+    trained = [r for r in history if r["round"] > 0]
+    up = [c["uplink_payload_bytes"] for r in trained for c in r["clients"] if "uplink_payload_bytes" in c]
+    down = [c["train_downlink_payload_bytes"] for r in trained for c in r["clients"] if "train_downlink_payload_bytes" in c]
+    up_msg = [c["uplink_message_bytes"] for r in trained for c in r["clients"] if "uplink_message_bytes" in c]
+    values = [(r["round"], r["eval"].get(metric)) for r in history if r["eval"].get(metric) is not None]
+    return {
+        "algorithm": cfg.algorithm.name,
+        "task": cfg.task.name,
+        "model": cfg.model.name,
+        "partition": cfg.partition.name,
+        "rounds": int(cfg.rounds),
+        "num_clients": int(cfg.num_clients) if cfg.num_clients else None,
+        "metric": metric,
+        "initial_metric": values[0][1] if values and values[0][0] == 0 else None,
+        "final_metric": values[-1][1] if values else None,
+        "metric_by_round": {str(r): v for r, v in values},
+        "final_client_metrics": {
+            str(c.get("eval_partition-id", c["node_id"])): c.get(f"eval_{metric}")
+            for c in (history[-1]["clients"] if history else [])
+        },
+        "uplink_bytes_per_client_round": float(np.mean(up)) if up else None,
+        "uplink_message_bytes_per_client_round": float(np.mean(up_msg)) if up_msg else None,
+        "downlink_bytes_per_client_round": float(np.mean(down)) if down else None,
+        "uplink_bytes_total": int(np.sum(up)) if up else 0,
+        "refused_replies": sum(len(r["refused"]) for r in history),
+        "wall_seconds": float(sum(r["seconds"] for r in history)),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def plot_run(history: list[dict], metric: str, folder: Path) -> None:
+    """metric vs round and metric vs cumulative uplink bytes (all clients)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds, values, cumulative = [], [], []
+    total = 0
+    for record in history:
+        total += sum(c.get("uplink_payload_bytes", 0) for c in record["clients"])
+        if record["eval"].get(metric) is not None:
+            rounds.append(record["round"])
+            values.append(record["eval"][metric])
+            cumulative.append(total)
+    if not values:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].plot(rounds, values, marker="o")
+    axes[0].set(xlabel="round", ylabel=metric, title=f"{metric} vs round")
+    axes[1].plot(cumulative, values, marker="o")
+    axes[1].set(xlabel="cumulative uplink bytes (all clients)", ylabel=metric, title=f"{metric} vs bytes sent")
+    axes[1].set_xscale("symlog")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(folder / "metrics.png", dpi=120)
+    plt.close(fig)

