@@ -62,24 +62,31 @@ class Session:
     extra: dict = field(default_factory=dict)
 
 
-_SESSIONS: dict[tuple, Session] = {}
+_MODELS: dict[str, tuple] = {}
+_TASKS: dict[tuple, object] = {}
 
 
 def session(cfg, context: Context, prepare: Callable[[object], tuple]) -> Session:
-    """The cached (model, task) of this process for this run and partition.
+    """This process's prepared model for the run, and the task of this node's partition.
 
-    ``prepare(cfg) -> (model, tokenizer, extra)`` builds the algorithm's model once.
+    ``prepare(cfg) -> (model, tokenizer, extra)`` builds the algorithm's model once per
+    process: one Ray actor serves several simulated nodes in turn, and every message
+    loads the node's federated state into the model before using it, so nodes share
+    the model but never each other's weights. Per-node state that must survive between
+    rounds belongs in ``context.state``.
     """
     from clients.tasks import make_task
 
     pid, n = partition_of(context, cfg)
-    key = (hashlib.sha256(str(cfg).encode()).hexdigest(), pid, n)
-    if key not in _SESSIONS:
-        _SESSIONS.clear()  # one run per process at a time: free the previous model
-        model, tokenizer, extra = prepare(cfg)
-        task = make_task(cfg, pid, n, tokenizer)
-        _SESSIONS[key] = Session(cfg, pid, n, model, tokenizer, task, extra)
-    return _SESSIONS[key]
+    run_key = hashlib.sha256(str(cfg).encode()).hexdigest()
+    if run_key not in _MODELS:
+        _MODELS.clear()  # one run per process at a time: free the previous model
+        _TASKS.clear()
+        _MODELS[run_key] = prepare(cfg)
+    model, tokenizer, extra = _MODELS[run_key]
+    if (run_key, pid, n) not in _TASKS:
+        _TASKS[(run_key, pid, n)] = make_task(cfg, pid, n, tokenizer)
+    return Session(cfg, pid, n, model, tokenizer, _TASKS[(run_key, pid, n)], extra)
 
 
 def reply(msg: Message, metrics: dict, arrays=None) -> Message:

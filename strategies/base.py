@@ -54,6 +54,10 @@ def weighted_mean(states: list[Mapping[str, np.ndarray]], weights: list[float]) 
     return out
 
 
+class ClientsFailed(RuntimeError):
+    """Every client of a round failed: nothing can go on (e.g. a setup error on all nodes)."""
+
+
 class PayloadFedAvg(FedAvg):
     """FedAvg over named fp32 tensors with Postcard's wire formats and accounting.
 
@@ -170,8 +174,7 @@ class PayloadFedAvg(FedAvg):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._start_round(server_round)
         valid, errors = self._check_and_log_replies(list(replies), is_train=True, validate=False)
-        for msg in errors:
-            self._refuse(msg.metadata.src_node_id, f"client error: {msg.error.reason}")
+        self._refuse_errors(server_round, valid, errors, "training")
         payloads, weights, contents = [], [], []
         for msg in valid:
             node_id = msg.metadata.src_node_id
@@ -199,6 +202,14 @@ class PayloadFedAvg(FedAvg):
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         return codec.encode(self.global_state, "fp32"), metrics
 
+    def _refuse_errors(self, server_round: int, valid: list, errors: list, phase: str) -> None:
+        for msg in errors:
+            self._refuse(msg.metadata.src_node_id, f"client error during {phase}: {msg.error.reason}")
+        if errors and not valid:
+            raise ClientsFailed(
+                f"round {server_round}: every client failed during {phase}; first error: {errors[0].error.reason}"
+            )
+
     def _refuse(self, node_id: int, reason: str) -> None:
         log(WARNING, "round %s: refused the reply of node %s: %s", self._round.get("round"), node_id, reason)
         self._round["refused"].append({"node_id": int(node_id), "reason": reason})
@@ -210,8 +221,7 @@ class PayloadFedAvg(FedAvg):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self._start_round(server_round)
         valid, errors = self._check_and_log_replies(list(replies), is_train=False, validate=False)
-        for msg in errors:
-            self._refuse(msg.metadata.src_node_id, f"client error during evaluation: {msg.error.reason}")
+        self._refuse_errors(server_round, valid, errors, "evaluation")
         contents = []
         for msg in valid:
             metrics = msg.content.metric_records.get("metrics")

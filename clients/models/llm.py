@@ -1,8 +1,8 @@
 """Causal language models: the embedded SmolLM2, any local HF checkpoint, tiny random inits.
 
-``load_causal_lm(model_cfg, seed)`` returns a fresh ``(model, tokenizer)``; the frozen
-backbone weights are read from disk once per process and copied for each new model, so
-a Ray actor that trains many rounds pays the load once.
+``load_causal_lm(model_cfg, seed)`` returns a fresh ``(model, tokenizer)``. Client
+processes keep their prepared model between rounds (``fedapps.session``), so a Ray actor
+that trains many rounds loads the backbone once.
 """
 
 from __future__ import annotations
@@ -44,15 +44,6 @@ def _tokenizer(path: str):
     return tok
 
 
-@functools.lru_cache(maxsize=2)
-def _pretrained_state(path: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def load_causal_lm(model_cfg, seed: int = 0):
     """A new causal LM (frozen, eval mode, fp32 on CPU) and its tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -77,15 +68,10 @@ def load_causal_lm(model_cfg, seed: int = 0):
     else:
         path = checkpoint_path(model_cfg)
         tok = _tokenizer(path)
-        try:
-            config, state = _pretrained_state(path)
+        try:  # ~1 s from the converted safetensors checkpoint
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except OSError as err:
             raise ModelError(f"cannot load a causal LM from '{path}': {err}") from None
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        # copies: the cached tensors stay pristine even when a method trains the weights
-        model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=False)
-        model.tie_weights()
     model.requires_grad_(False)
     model.eval()
     return model, tok

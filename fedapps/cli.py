@@ -1,0 +1,108 @@
+"""``postcard``: run configurations in simulation from the command line (Hydra CLI).
+
+    postcard algorithm=fedprox task=mmlu rounds=2            # one run
+    postcard -m algorithm=fedavg-lora,fedprox,ffa-lora        # a sweep, then one table
+    postcard --cfg job                                        # print the composed config
+
+Each run is an in-process Flower simulation (Ray) with ``num_clients`` SuperNodes (the
+task's default when unset) and writes its usual run folder. After a sweep, the folder of
+the sweep gets ``comparison.md`` and ``comparison.csv``: one row per configuration.
+``flwr run .`` runs the same configurations through a SuperLink.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from fedapps.config import CONF_DIR, ConfigError, finalize
+
+COLUMNS = ("algorithm", "task", "model", "partition", "rounds", "num_clients", "metric",
+           "initial_metric", "final_metric", "uplink_bytes_per_client_round",
+           "downlink_bytes_per_client_round", "wall_seconds", "run_dir")
+
+
+def comparison_rows(summaries: list[dict]) -> list[dict]:
+    rows = [{k: s.get(k) for k in COLUMNS} for s in summaries]
+    base = next((r["uplink_bytes_per_client_round"] for r in rows if r["algorithm"] == "fedavg-lora"), None)
+    for row in rows:
+        up = row["uplink_bytes_per_client_round"]
+        row["uplink_vs_fedavg_lora"] = round(up / base, 6) if base and up else None
+    return rows
+
+
+def write_comparison(summaries: list[dict], folder: Path) -> Path:
+    """comparison.md and comparison.csv: one row per run."""
+    rows = comparison_rows(summaries)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "comparison.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    shown = ["algorithm", "task", "model", "partition", "metric", "initial_metric", "final_metric",
+             "uplink_bytes_per_client_round", "uplink_vs_fedavg_lora", "wall_seconds"]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row[k]) for k in shown) + " |")
+    (folder / "comparison.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\ncomparison written to {folder / 'comparison.md'} and comparison.csv")
+    return folder / "comparison.md"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return "-" if value is None else str(value)
+
+
+class ComparisonTable(Callback):
+    """Hydra callback: collect each job's summary; write the table when the sweep ends."""
+
+    def __init__(self) -> None:
+        self.summaries: list[dict] = []
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        value = getattr(job_return, "_return_value", None)
+        if isinstance(value, dict):
+            self.summaries.append(value)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if self.summaries:
+            write_comparison(self.summaries, Path(config.hydra.sweep.dir))
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def run(cfg: DictConfig) -> dict | None:
+    from fedapps.simulation import simulate
+
+    try:
+        cfg = finalize(cfg)
+    except ConfigError as err:
+        print(f"postcard: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if cfg.output_dir is None and HydraConfig.get().mode.name == "MULTIRUN":
+        OmegaConf.set_struct(cfg, False)
+        cfg.output_dir = str(Path(HydraConfig.get().sweep.dir).resolve())
+        OmegaConf.set_struct(cfg, True)
+    return simulate(cfg)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        print("Groups:", ", ".join(f"{g} ({', '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))})"
+                                   for g in ("algorithm", "task", "model", "partition", "preset")))
+        print("Hydra's own options: postcard --hydra-help")
+        return
+    run()
+
+
+if __name__ == "__main__":
+    main()

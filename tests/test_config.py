@@ -1,0 +1,73 @@
+"""Config composition: every group choice composes; bad choices and keys fail clearly."""
+
+import pytest
+
+from fedapps.config import GROUPS, ConfigError, choices, compose, compose_from_run_config
+
+VISION = {"cifar10", "fmnist"}
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_choice_composes(group):
+    for choice in choices(group):
+        groups = {group: choice}
+        if group == "task" and choice in VISION or group == "model" and choice in {"mobilenetv2", "tiny-cnn"}:
+            groups.update(algorithm="fedavg-full")
+            if group == "model":
+                groups["task"] = "cifar10"
+        if group == "algorithm" and choice == "fedavg-full":
+            groups["model"] = "tiny-llama"
+        cfg = compose(**groups)
+        if group == "preset":
+            continue
+        assert cfg[group].name == choice
+
+
+def test_overrides_reach_deep_keys():
+    cfg = compose("train.lr=1e-4 rounds=2 partition=dirichlet partition.alpha=0.1", algorithm="fedprox")
+    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.rounds == 2
+    assert cfg.partition.name == "dirichlet" and cfg.partition.alpha == pytest.approx(0.1)
+    assert cfg.algorithm.proximal_mu > 0
+
+
+def test_task_picks_its_default_backbone_but_the_user_wins():
+    assert compose(task="cifar10", algorithm="fedavg-full").model.name == "mobilenetv2"
+    assert compose(["model=tiny-cnn"], task="cifar10", algorithm="fedavg-full").model.name == "tiny-cnn"
+
+
+def test_algorithm_variants_inherit_lora_settings():
+    ffa = compose(algorithm="ffa-lora")
+    assert ffa.algorithm.lora.send == "b" and ffa.algorithm.lora.r == compose().algorithm.lora.r
+
+
+def test_run_config_maps_to_groups_and_overrides():
+    cfg = compose_from_run_config(
+        {"algorithm": "fedprox", "task": "mmlu", "model": "", "partition": "", "preset": "",
+         "overrides": "rounds=5 train.lr=2e-4", "output-dir": "/tmp/somewhere"}
+    )
+    assert (cfg.algorithm.name, cfg.task.name, cfg.rounds, cfg.output_dir) == ("fedprox", "mmlu", 5, "/tmp/somewhere")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(algorithm="fedsgd"), "valid choices: fedavg-full, fedavg-lora, fedprox, ffa-lora"),
+        (dict(task="imagenet"), "valid choices: cifar10, fmnist, mmlu, shakespeare"),
+        (dict(overrides="model=gpt5"), "unknown model 'gpt5'"),
+        (dict(overrides="train.lrr=1"), "train.lrr"),
+        (dict(overrides="rounds=abc"), "rounds must be an integer"),
+        (dict(overrides="train.lr=-1"), "train.lr must be > 0"),
+        (dict(task="cifar10"), "use fedavg-full"),
+        (dict(task="mmlu", overrides="model=tiny-cnn algorithm=fedavg-full"), "needs a causal LM"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
+    overrides = kwargs.pop("overrides", "")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        compose(overrides, **kwargs)
+
+
+def test_unknown_run_config_key_is_refused():
+    with pytest.raises(ConfigError, match="unknown run-config keys"):
+        compose_from_run_config({"algoritm": "fedprox"})

@@ -1,0 +1,58 @@
+"""`flwr run .` of the registered app, on the real embedded SmolLM2 (a few steps)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedapps.superlink import stop as stop_superlinks
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def flwr_run(tmp_path, run_config: str, supernodes: int = 2, timeout: int = 900):
+    flwr_home = tmp_path / "flwr-home"
+    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    flwr = shutil.which("flwr", path=env["PATH"])
+    try:
+        return subprocess.run(
+            [flwr, "run", str(ROOT), "--stream",
+             "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
+             "--run-config", run_config],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+        )
+    finally:
+        stop_superlinks(flwr_home)
+
+
+def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
+    out = tmp_path / "runs"
+    overrides = ("rounds=1 train.local_steps=2 train.batch_size=2 train.seq_len=64 "
+                 "eval.max_batches=1 eval.batch_size=4 algorithm.lora.target_modules=[q_proj,v_proj]")
+    proc = flwr_run(tmp_path, f"algorithm='fedavg-lora' task='shakespeare' overrides='{overrides}' output-dir='{out}'")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    runs = list(out.iterdir())
+    assert len(runs) == 1, log[-3000:]
+    run = runs[0]
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "metrics.png", "adapter/adapter_config.json"):
+        assert (run / name).exists(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["model"] == "smollm2" and summary["num_clients"] == 2
+    # LoRA r=8 on q (576x576) and v (576x192) of 30 layers, fp32
+    assert summary["uplink_bytes_per_client_round"] == 30 * 8 * (576 + 576 + 576 + 192) * 4
+    # a pretrained model on Shakespeare: far better than chance over 49,152 tokens
+    assert summary["initial_metric"] < 200
+    assert f"Results in {run}" in log
+
+
+def test_flwr_run_refuses_an_unknown_algorithm_with_the_valid_choices(tmp_path):
+    proc = flwr_run(tmp_path, "algorithm='fedsgd'", timeout=300)
+    log = proc.stdout + proc.stderr
+    assert "unknown algorithm 'fedsgd'; valid choices:" in log, log[-3000:]

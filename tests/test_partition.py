@@ -1,0 +1,72 @@
+"""Partitions: sizes, disjointness, determinism; Dirichlet skew grows as alpha falls."""
+
+import numpy as np
+import pytest
+
+from clients.partition import PartitionError, natural_groups, partition_indices, train_test_split
+
+LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 10 balanced labels
+
+
+def parts(method, n=5, seed=0, **kw):
+    return [partition_indices(LABELS, method=method, num_partitions=n, partition_id=i, seed=seed, **kw) for i in range(n)]
+
+
+@pytest.mark.parametrize("method", ["iid", "dirichlet", "natural"])
+def test_partitions_are_disjoint_cover_everything_and_are_deterministic(method):
+    kw = {"alpha": 0.5} if method == "dirichlet" else {}
+    a, b = parts(method, **kw), parts(method, **kw)
+    joined = np.concatenate(a)
+    assert len(joined) == len(set(joined.tolist())) == len(LABELS)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_iid_sizes_are_equal_and_labels_mixed():
+    p = parts("iid")
+    assert [len(x) for x in p] == [200] * 5
+    assert all(len(set(LABELS[x].tolist())) == 10 for x in p)
+
+
+def test_seed_changes_the_split():
+    assert not np.array_equal(parts("iid", seed=0)[0], parts("iid", seed=1)[0])
+
+
+def test_natural_groups_go_round_robin_and_too_many_clients_fail():
+    assert natural_groups(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
+    p = parts("natural", n=10)
+    assert all(len(set(LABELS[x].tolist())) == 1 for x in p)
+    with pytest.raises(PartitionError, match="natural split has 10 groups"):
+        parts("natural", n=11)
+
+
+def skew(p):
+    """Mean over clients of the total-variation distance of the label histogram to uniform."""
+    tv = []
+    for x in p:
+        hist = np.bincount(LABELS[x], minlength=10) / max(1, len(x))
+        tv.append(0.5 * np.abs(hist - 0.1).sum())
+    return float(np.mean(tv))
+
+
+def test_dirichlet_skew_grows_as_alpha_falls():
+    values = [skew(parts("dirichlet", alpha=a, min_partition_size=5)) for a in (100.0, 1.0, 0.1)]
+    assert values[0] < values[1] < values[2]
+    assert values[0] < 0.15 and values[2] > 0.5
+
+
+def test_bad_partition_input():
+    with pytest.raises(PartitionError, match="unknown partition"):
+        partition_indices(LABELS, method="shards", num_partitions=2, partition_id=0, seed=0)
+    with pytest.raises(PartitionError, match="outside"):
+        partition_indices(LABELS, method="iid", num_partitions=2, partition_id=2, seed=0)
+    with pytest.raises(PartitionError, match="alpha must be > 0"):
+        partition_indices(LABELS, method="dirichlet", num_partitions=2, partition_id=0, seed=0, alpha=0)
+
+
+def test_train_test_split_is_disjoint_and_seeded():
+    idx = np.arange(100, 200)
+    train, test = train_test_split(idx, 0.2, seed=3)
+    assert len(test) == 20 and len(train) == 80 and not set(train) & set(test)
+    assert np.array_equal(test, train_test_split(idx, 0.2, seed=3)[1])
+    with pytest.raises(PartitionError):
+        train_test_split(np.arange(1), 0.2, seed=0)

@@ -1,0 +1,148 @@
+"""Wire format, byte accounting, validation and averaging of PayloadFedAvg."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from strategies import codec
+from strategies.base import CONFIG_RECORD, PayloadFedAvg, weighted_mean
+from strategies.baselines import FedProx, FFALoRA
+
+STATE = {"layer.lora_A": np.ones((4, 8), np.float32), "layer.lora_B": np.zeros((8, 4), np.float32)}
+
+
+def make_strategy(cls=PayloadFedAvg, **kw):
+    records = []
+    strategy = cls(initial_state=STATE, config_yaml="a: 1\n", num_clients=2, on_round_end=records.append, **kw)
+    return strategy, records
+
+
+def reply(node_id, arrays, num_examples=10, **metrics):
+    request = Message(RecordDict({}), dst_node_id=node_id, message_type="train")
+    content = RecordDict({"metrics": MetricRecord({"num-examples": num_examples, "loss": 1.0, **metrics})})
+    if arrays is not None:
+        content["arrays"] = arrays
+    return Message(content, reply_to=request)
+
+
+def payload(scale, **changes):
+    tensors = {k: np.full(v.shape, scale, np.float32) for k, v in STATE.items()}
+    tensors.update(changes)
+    return codec.encode(tensors)
+
+
+def test_fp32_bytes_are_exactly_the_tensor_bytes_and_round_trip():
+    record = codec.encode(STATE)
+    assert codec.payload_bytes(record) == sum(v.nbytes for v in STATE.values()) == 256
+    assert sum(len(a.data) for a in record.values()) == codec.payload_bytes(record)
+    decoded = codec.decode(record)
+    assert all(np.array_equal(decoded[k], STATE[k]) for k in STATE)
+
+
+def test_message_bytes_count_the_whole_content():
+    content = RecordDict({"arrays": codec.encode(STATE), "metrics": MetricRecord({"num-examples": 3})})
+    assert codec.message_bytes(content) == 256 + len("layer.lora_A") + len("layer.lora_B") + 8 + len("num-examples")
+
+
+def test_weighted_mean_identity_and_weights():
+    a = {"x": np.array([1.0, 2.0], np.float32)}
+    b = {"x": np.array([3.0, 6.0], np.float32)}
+    assert np.allclose(weighted_mean([a, b], [1, 3])["x"], [2.5, 5.0])
+    assert np.array_equal(weighted_mean([a, a, a], [5, 1, 2])["x"], a["x"])
+
+
+def test_aggregate_is_the_example_weighted_mean_and_bytes_are_recorded():
+    strategy, _ = make_strategy()
+    arrays, metrics = strategy.aggregate_train(1, [reply(1, payload(1.0), 10), reply(2, payload(4.0), 30)])
+    new = codec.decode(arrays)
+    assert np.allclose(new["layer.lora_A"], 3.25) and np.allclose(strategy.global_state["layer.lora_B"], 3.25)
+    clients = strategy._round["clients"]
+    assert clients["1"]["uplink_payload_bytes"] == 256
+    assert metrics["loss"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (lambda: payload(9.0, **{"layer.extra": np.ones(2, np.float32)}), "wrong key set"),
+        (lambda: codec.encode({"layer.lora_A": np.ones((4, 8), np.float32)}), "wrong key set"),
+        (lambda: payload(9.0, **{"layer.lora_B": np.ones((4, 8), np.float32)}), "has shape"),
+        (lambda: ArrayRecord({**{k: v for k, v in payload(9.0).items()},
+                              "layer.lora_B": Array(dtype="float64", shape=(8, 4), stype=codec.FP32, data=b"\0" * 256)}),
+         "dtype float64"),
+        (lambda: ArrayRecord({**{k: v for k, v in payload(9.0).items()},
+                              "layer.lora_B": Array(dtype="float32", shape=(8, 4), stype=codec.FP32,
+                                                    data=np.full((8, 4), np.nan, np.float32).tobytes())}),
+         "NaN or Inf"),
+        (lambda: ArrayRecord({**{k: v for k, v in payload(9.0).items()},
+                              "layer.lora_B": Array(dtype="float32", shape=(8, 4), stype=codec.FP32, data=b"\0" * 10)}),
+         "carries 10 bytes"),
+        (lambda: ArrayRecord({**{k: v for k, v in payload(9.0).items()},
+                              "layer.lora_B": Array(np.zeros((8, 4), np.float32))}), "unknown array stype"),
+    ],
+)
+def test_a_malformed_payload_is_refused_and_the_global_state_is_unchanged(bad, reason, caplog):
+    strategy, records = make_strategy()
+    before = {k: v.copy() for k, v in strategy.global_state.items()}
+    arrays, _ = strategy.aggregate_train(1, [reply(7, bad())])
+    assert arrays is None
+    assert all(np.array_equal(strategy.global_state[k], before[k]) for k in before)
+    assert strategy._round["refused"][0]["node_id"] == 7 and reason in strategy._round["refused"][0]["reason"]
+
+
+def test_a_bad_reply_does_not_stop_the_good_ones():
+    strategy, _ = make_strategy()
+    nan = payload(1.0)
+    nan["layer.lora_A"] = Array(dtype="float32", shape=(4, 8), stype=codec.FP32, data=np.full((4, 8), np.inf, np.float32).tobytes())
+    arrays, _ = strategy.aggregate_train(1, [reply(1, payload(2.0), 10), reply(2, nan, 1000), reply(3, payload(2.0), 0)])
+    assert np.allclose(codec.decode(arrays)["layer.lora_A"], 2.0)
+    refused = {r["node_id"]: r["reason"] for r in strategy._round["refused"]}
+    assert set(refused) == {2, 3} and "num-examples" in refused[3]
+
+
+def test_a_round_where_every_client_crashed_aborts_the_run():
+    from flwr.app import Error
+
+    strategy, _ = make_strategy()
+    request = Message(RecordDict({}), dst_node_id=4, message_type="train")
+    crashed = Message(Error(code=0, reason="CUDA out of memory"), reply_to=request)
+    with pytest.raises(RuntimeError, match="every client failed.*CUDA out of memory"):
+        strategy.aggregate_train(1, [crashed])
+
+
+def test_missing_arrays_or_metrics_are_refused():
+    strategy, _ = make_strategy()
+    request = Message(RecordDict({}), dst_node_id=4, message_type="train")
+    no_metrics = Message(RecordDict({"arrays": payload(1.0)}), reply_to=request)
+    arrays, _ = strategy.aggregate_train(1, [reply(3, None), no_metrics])
+    assert arrays is None and len(strategy._round["refused"]) == 2
+
+
+def test_fedprox_sends_mu_and_ffa_federates_only_b():
+    prox, _ = make_strategy(FedProx, proximal_mu=0.1)
+    assert prox.train_config_for(1, 5, ConfigRecord())["proximal-mu"] == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        make_strategy(FedProx, proximal_mu=-1.0)
+    ffa, _ = make_strategy(FFALoRA)
+    assert ffa.uplink_keys == ["layer.lora_B"] and set(codec.decode(ffa.downlink_arrays())) == {"layer.lora_B"}
+
+
+class FakeGrid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return self.nodes
+
+
+def test_config_goes_once_per_node_and_downlink_bytes_are_recorded():
+    strategy, records = make_strategy()
+    grid = FakeGrid([11, 12])
+    first = list(strategy.configure_train(1, strategy.downlink_arrays(), ConfigRecord(), grid))
+    assert all(CONFIG_RECORD in m.content.config_records for m in first)
+    strategy.aggregate_train(1, [reply(11, payload(1.0)), reply(12, payload(1.0))])
+    strategy.aggregate_evaluate(1, [])
+    second = list(strategy.configure_train(2, strategy.downlink_arrays(), ConfigRecord(), grid))
+    assert not any(CONFIG_RECORD in m.content.config_records for m in second)
+    assert records[0]["clients"][0]["train_downlink_payload_bytes"] == 256
+    assert records[0]["clients"][0]["uplink_payload_bytes"] == 256

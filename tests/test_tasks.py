@@ -1,0 +1,89 @@
+"""Real data tasks on the embedded assets: MMLU's 5-client split, Shakespeare by play."""
+
+import numpy as np
+import pytest
+import torch
+
+from clients.models.llm import load_causal_lm
+from clients.tasks import make_task
+from clients.tasks.text import LETTERS, letter_token_ids, mmlu_prompt, mmlu_rows
+from fedapps.config import compose
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = compose(preset="test")
+    model, tok = load_causal_lm(cfg.model, seed=0)
+    return model, tok
+
+
+def test_mmlu_has_all_questions_and_every_subject_in_one_category():
+    rows = mmlu_rows()
+    assert len(rows) == 14042
+    cfg = compose(task="mmlu")
+    subjects = [s for group in cfg.task.categories.values() for s in group]
+    assert len(subjects) == len(set(subjects)) == 57
+    assert set(subjects) == {r["topic"] for r in rows}
+
+
+def test_mmlu_prompt_format():
+    row = {"question": "2+2?", "answer_a": "3", "answer_b": "4", "answer_c": "5", "answer_d": "6"}
+    assert mmlu_prompt(row) == "Question: 2+2?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:"
+
+
+def test_mmlu_natural_split_gives_one_super_category_per_client(tiny):
+    _, tok = tiny
+    cfg = compose(task="mmlu")
+    tasks = [make_task(cfg, i, 5, tok) for i in range(5)]
+    assert [t.categories for t in tasks] == [[c] for c in cfg.task.categories]
+    math_cs = tasks[3]
+    assert (math_cs.num_train, math_cs.num_test) == (915, 183)  # as in FedNL's Table 1
+    for t in tasks:
+        assert t.num_train <= 2000 and t.num_test <= 200
+        assert not set(t.train_idx.tolist()) & set(t.test_idx.tolist())
+
+
+def test_mmlu_batches_put_the_answer_letter_after_the_prompt(tiny):
+    model, tok = tiny
+    task = make_task(compose(task="mmlu"), 0, 5, tok)
+    batch = task.collate(task.test_idx[:3])
+    ids = letter_token_ids(tok)
+    for row in range(3):
+        last = int(batch["last"][row])
+        assert int(batch["input_ids"][row, last + 1]) == ids[int(batch["answer"][row])]
+        assert tok.decode(batch["input_ids"][row, : last + 1]).endswith("Answer:")
+    metrics = task.evaluate(model, batch_size=4, max_batches=2)
+    assert metrics["num-examples"] == 8 and 0.0 <= metrics["accuracy"] <= 1.0
+    loss = task.loss(model, batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_shakespeare_natural_split_is_by_play_and_windows_are_next_token_pairs(tiny):
+    _, tok = tiny
+    cfg = compose(preset="test")
+    tasks = [make_task(cfg, i, 2, tok) for i in range(2)]
+    assert [t.plays for t in tasks] == [sorted(["hamlet", "the-tempest"]), sorted(["macbeth", "twelfth-night"])]
+    batch = tasks[0].collate(tasks[0].train_idx[:2])
+    assert batch["input_ids"].shape == (2, cfg.train.seq_len)
+    assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+    text = tok.decode(batch["input_ids"][0])
+    assert "**" not in text and len(text) > 50
+
+
+def test_train_batches_cycle_through_the_data_without_repeats_within_a_pass(tiny):
+    _, tok = tiny
+    task = make_task(compose(preset="test"), 0, 2, tok)
+    seen = []
+    for batch in task.train_batches(steps=5, batch_size=4, rng=np.random.default_rng(0)):
+        seen += [tuple(x.tolist()) for x in batch["input_ids"]]
+    assert len(seen) == len(set(seen)) == 20
+
+
+def test_image_task_partitions_cifar10_by_dirichlet_label_skew():
+    cfg = compose(["model=tiny-cnn", "partition.alpha=0.1"], task="cifar10", algorithm="fedavg-full")
+    tasks = [make_task(cfg, i, 4) for i in range(4)]
+    assert sum(t.num_train + t.num_test for t in tasks) == 10000
+    dominant = [max(t.label_histogram()) / sum(t.label_histogram()) for t in tasks]
+    assert np.mean(dominant) > 0.3  # strong label skew at alpha=0.1
+    batch = tasks[0].collate(tasks[0].train_idx[:5])
+    assert batch["x"].shape == (5, 3, 64, 64) and batch["y"].shape == (5,)
