@@ -12,6 +12,9 @@ PAIRS = {
     "fedprox": "fedapps.baselines",
     "ffa-lora": "fedapps.baselines",
     "fedavg-full": "fedapps.baselines",
+    "flite": "fedapps.flite",
+    "fednl": "fedapps.fednl",
+    "smartfed": "fedapps.smartfed",
 }
 
 

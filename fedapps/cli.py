@@ -3,6 +3,7 @@
     postcard algorithm=fedprox task=mmlu rounds=2            # one run
     postcard -m algorithm=fedavg-lora,fedprox,ffa-lora        # a sweep, then one table
     postcard --cfg job                                        # print the composed config
+    postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
 
 Each run is an in-process Flower simulation (Ray) with ``num_clients`` SuperNodes (the
 task's default when unset) and writes its usual run folder. After a sweep, the folder of
@@ -95,6 +96,10 @@ def run(cfg: DictConfig) -> dict | None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "pool":  # SmartFed's knowledge pool
+        from fedapps.pool_cli import main as pool_main
+
+        raise SystemExit(pool_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         print("Groups:", ", ".join(f"{g} ({', '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))})"

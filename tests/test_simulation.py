@@ -58,3 +58,19 @@ def test_vision_fedavg_full_on_fashion_mnist_learns(outputs):
     cfg.num_clients = 2
     summary = simulate(cfg)
     assert summary["final_metric"] > summary["initial_metric"] + 0.1
+
+
+def test_the_saved_global_adapter_reproduces_the_final_evaluation(outputs):
+    """The run's adapter/ folder is a PEFT adapter: loaded on the backbone it gives the final metric."""
+    from peft import PeftModel
+
+    from clients.models.llm import load_causal_lm
+    from clients.tasks import make_task
+    from clients.train import evaluate
+
+    cfg = compose(["rounds=1", "train.local_steps=3"], preset="test")
+    summary = simulate(cfg)
+    base, tok = load_causal_lm(cfg.model, seed=int(cfg.seed))
+    model = PeftModel.from_pretrained(base, f"{summary['run_dir']}/adapter")
+    metrics = evaluate(model, make_task(cfg, 0, 2, tok), cfg.eval)
+    assert metrics["perplexity"] == pytest.approx(summary["final_client_metrics"]["0"], rel=1e-4)
