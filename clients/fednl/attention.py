@@ -1,0 +1,526 @@
+"""Dual-path attention for a frozen HF causal LM: softmax attention + a delta-rule memory.
+
+FedNL (after TPTT's LiZAttention) turns every self-attention layer of a frozen Llama-
+family backbone (Llama, Qwen2, SmolLM2: modules with ``q_proj``/``k_proj``/``v_proj``/
+``o_proj``) into::
+
+    out = o_proj((1 - alpha) * softmax_attention + alpha * delta_rule_attention)
+
+Both paths read the SAME q/k/v projections (so LoRA on q/k/v trains both) and share
+``o_proj``; mixing before ``o_proj`` equals mixing after it, since ``o_proj`` is affine
+and the weights sum to one. Choices, where the papers leave room:
+
+* The memory path works on the projections *before* RoPE, as TPTT does: the memory is
+  content-addressed, and rotating keys by their absolute position would make a key
+  written at token 100 miss the same key asked at token 10,000. As in DeltaNet and
+  TPTT, q and k go through SiLU (``qk_activation``) and are L2-normalised; GQA key/value
+  heads are repeated to the query heads, as the softmax path does. The readout is
+  ``o_t = S_t q_t``: with unit keys the memory returns values on the scale of v, the
+  same scale as softmax attention's convex mix of values, so no rescaling is needed.
+* ``beta_t = sigmoid(w_h . x_t + b_h)`` per head from the layer input (``beta="input"``)
+  or a learnable per-head constant (``beta="constant"``). Padding tokens get beta = 0 and
+  never write to the memory.
+* ``alpha = sigmoid(fednl_gate)``, one scalar per layer (``gate="scalar"``) or one per
+  attention channel (``gate="channel"``, heads x head_dim values), initialised at
+  ``sigmoid(gate_init_logit)`` (-4 -> 0.018). With alpha = 0 exactly (logit -inf, or
+  -90 or below in float32) the layer returns the backbone's output bit for bit.
+* ``window``: None keeps the backbone's own (full causal) attention for the softmax path.
+  An int restricts it to the last ``window`` tokens (token i sees i-window+1 .. i); the
+  memory carries everything older. That bounds the streaming KV cache, so
+  :class:`FedNLStreamer` runs any context length in constant memory.
+
+Training uses the chunked delta rule over the whole sequence (BPTT through the memory);
+:class:`FedNLStreamer` uses the recurrent form block by block with an O(1) state per
+layer. ``model.generate`` also works (greedy or sampling; not beam search): the memory
+state rides on the HF cache object, whose KV cache then grows as usual.
+
+The new parameters are named ``...self_attn.fednl_gate`` and ``...self_attn.fednl_beta.*``.
+Typical use (the order matters: PEFT freezes everything that is not LoRA)::
+
+    model = add_delta_memory(model, FedNLConfig(window=None))
+    model = peft.get_peft_model(model, LoraConfig(target_modules=["q_proj", "k_proj", "v_proj"]))
+    mark_trainable(model)                      # LoRA q/k/v + gate + beta, nothing else
+    payload = meta_rule_names(model, "meta-rules")   # or "gate"
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clients.fednl.deltarule import delta_rule_chunked, delta_rule_recurrent, fla_usable, l2_normalize
+
+Tensor = torch.Tensor
+
+GATE_MODES = ("scalar", "channel")
+BETA_MODES = ("input", "constant")
+QK_ACTIVATIONS = ("silu", "identity")
+PAYLOAD_MODES = ("meta-rules", "gate")
+STREAM_FORMS = ("recurrent", "chunked")
+
+# What a Llama-family attention module has (LlamaAttention, Qwen2Attention, ...).
+_ATTENTION_ATTRIBUTES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "num_key_value_groups", "scaling", "layer_idx", "config",
+)  # fmt: skip
+_MEMORY_PARAM = re.compile(r"(^|\.)fednl_(gate|beta)(\.|$)")
+_QKV_LORA_PARAM = re.compile(r"\.(q_proj|k_proj|v_proj)\.lora_")
+
+
+@dataclass
+class FedNLConfig:
+    """How :func:`add_delta_memory` builds the dual-path attention."""
+
+    chunk_size: int = 64  # tokens per chunk of the training-time (WY/UT) delta rule
+    window: int | None = None  # softmax path's sliding window; None = the backbone's full attention
+    gate: str = "scalar"  # "scalar" | "channel": one alpha per layer, or one per attention channel
+    gate_init_logit: float = -4.0  # alpha = sigmoid(logit) at init
+    beta: str = "input"  # "input": sigmoid(W x + b) per head | "constant": sigmoid(b) per head
+    beta_init_logit: float = 0.0  # b at init (W starts at zero): beta = 0.5
+    qk_activation: str = "silu"  # applied to q, k before L2 normalisation in the memory path
+    use_fla: bool | None = None  # fla's CUDA kernel: None = when usable, True = required, False = never
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0
+        ):
+            raise ValueError(f"window must be None or a positive int, got {self.window!r}")
+        if self.gate not in GATE_MODES:
+            raise ValueError(f"gate must be one of {GATE_MODES}, got {self.gate!r}")
+        if self.beta not in BETA_MODES:
+            raise ValueError(f"beta must be one of {BETA_MODES}, got {self.beta!r}")
+        if self.qk_activation not in QK_ACTIVATIONS:
+            raise ValueError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {self.qk_activation!r}")
+        if self.use_fla not in (None, True, False):
+            raise ValueError(f"use_fla must be None, True or False, got {self.use_fla!r}")
+        for name in ("gate_init_logit", "beta_init_logit"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+class BetaProjection(nn.Module):
+    """Per-head write strength ``beta_t`` in (0, 1): ``sigmoid(W x_t + b)`` or ``sigmoid(b)``.
+
+    ``W`` starts at zero, so every mode starts at the constant ``sigmoid(init_logit)``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, mode: str = "input", init_logit: float = 0.0):
+        super().__init__()
+        if mode not in BETA_MODES:
+            raise ValueError(f"beta mode must be one of {BETA_MODES}, got {mode!r}")
+        self.mode = mode
+        self.bias = nn.Parameter(torch.full((num_heads,), float(init_logit)))
+        if mode == "input":
+            self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        """``(batch, T, hidden)`` -> ``(batch, heads, T)`` in float32."""
+        if self.weight is None:
+            logits = self.bias.expand(*hidden_states.shape[:-1], -1)
+        else:
+            logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
+        return torch.sigmoid(logits.float()).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------- installing the memory
+def _is_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in _ATTENTION_ATTRIBUTES)
+
+
+def memory_attentions(model: nn.Module) -> list[nn.Module]:
+    """The attention modules that carry a delta memory, in layer order."""
+    return [m for m in model.modules() if getattr(m, "fednl_config", None) is not None]
+
+
+def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.Module:
+    """Make every self-attention layer dual-path (in place) and freeze the backbone.
+
+    Each attention module keeps its own projections and parameter names; it gains
+    ``fednl_gate`` (the memory gate's logit) and ``fednl_beta`` (a :class:`BetaProjection`),
+    both trainable float32, and its ``forward`` is replaced by the dual-path one. Every
+    parameter that existed before is frozen. Returns ``model``.
+    """
+    config = config or FedNLConfig()
+    if not isinstance(config, FedNLConfig):
+        raise TypeError(f"config must be a FedNLConfig, got {type(config).__name__}")
+    if memory_attentions(model):
+        raise ValueError("this model already has a FedNL delta memory")
+    attentions = [m for m in model.modules() if _is_attention(m)]
+    if not attentions:
+        raise ValueError(
+            f"no self-attention module with q_proj/k_proj/v_proj/o_proj found in {type(model).__name__}; "
+            "FedNL supports Llama-family decoders (Llama, Qwen2, SmolLM2, ...)"
+        )
+    model.requires_grad_(False)
+    for attn in attentions:
+        num_heads = attn.config.num_attention_heads
+        channels = num_heads * attn.head_dim
+        device = next(attn.o_proj.parameters()).device
+        shape = (1,) if config.gate == "scalar" else (channels,)
+        attn.fednl_gate = nn.Parameter(torch.full(shape, float(config.gate_init_logit), device=device))
+        attn.fednl_beta = BetaProjection(attn.config.hidden_size, num_heads, config.beta, config.beta_init_logit).to(
+            device
+        )
+        attn.fednl_config = config
+        attn.fednl_stream = None  # set only while a FedNLStreamer runs a block
+        attn.forward = types.MethodType(dual_path_attention_forward, attn)
+    return model
+
+
+def is_memory_param(name: str) -> bool:
+    """Whether a parameter name belongs to the memory rule (gate or beta)."""
+    return _MEMORY_PARAM.search(name) is not None
+
+
+def is_qkv_lora_param(name: str) -> bool:
+    """Whether a parameter name is a PEFT LoRA weight on q_proj, k_proj or v_proj."""
+    return _QKV_LORA_PARAM.search(name) is not None
+
+
+def meta_rule_names(model: nn.Module, mode: str = "meta-rules") -> list[str]:
+    """Names (as ``model.named_parameters()`` gives them) of the payload theta.
+
+    ``"meta-rules"``: LoRA on q/k/v + gate + beta (the seed's theta; needs PEFT LoRA).
+    ``"gate"``: gate + beta only (LoRA, if any, stays on the client).
+    """
+    if mode not in PAYLOAD_MODES:
+        raise ValueError(f"mode must be one of {PAYLOAD_MODES}, got {mode!r}")
+    names = [name for name, _ in model.named_parameters()]
+    memory = [n for n in names if is_memory_param(n)]
+    if not memory:
+        raise ValueError("the model has no FedNL memory parameters; call add_delta_memory(model, config) first")
+    if mode == "gate":
+        return memory
+    lora = [n for n in names if is_qkv_lora_param(n)]
+    if not lora:
+        raise ValueError(
+            "payload mode 'meta-rules' needs LoRA on q_proj/k_proj/v_proj; wrap the model with "
+            "peft.get_peft_model(model, LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj']))"
+        )
+    chosen = set(memory) | set(lora)
+    return [n for n in names if n in chosen]
+
+
+def mark_trainable(model: nn.Module) -> list[str]:
+    """Train LoRA on q/k/v (if present) + gate + beta; freeze everything else.
+
+    Call it after ``peft.get_peft_model`` (which freezes every non-LoRA parameter,
+    the gate and beta included). Returns the names of the trainable parameters.
+    """
+    trainable = []
+    for name, param in model.named_parameters():
+        train = is_memory_param(name) or is_qkv_lora_param(name)
+        param.requires_grad_(train)
+        if train:
+            trainable.append(name)
+    if not any(is_memory_param(n) for n in trainable):
+        raise ValueError("the model has no FedNL memory parameters; call add_delta_memory(model, config) first")
+    return trainable
+
+
+@torch.no_grad()
+def memory_gate_values(model: nn.Module) -> list[float]:
+    """Mean alpha = sigmoid(gate) of each layer (for logging)."""
+    return [torch.sigmoid(attn.fednl_gate.float()).mean().item() for attn in memory_attentions(model)]
+
+
+# --------------------------------------------------------------------------- the dual-path forward
+def _model_function(attn: nn.Module, name: str) -> Callable:
+    """``apply_rotary_pos_emb`` / ``eager_attention_forward`` of the attention's own model
+    file (Qwen2's are its own), falling back to Llama's."""
+    function = getattr(sys.modules.get(type(attn).__module__), name, None)
+    if function is None:
+        from transformers.models.llama import modeling_llama
+
+        function = getattr(modeling_llama, name)
+    return function
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """(batch, kv_heads, T, d) -> (batch, kv_heads * groups, T, d), as HF's repeat_kv."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _allowed(mask: Tensor) -> Tensor:
+    """An HF 4-D mask (bool: True = attend; float: 0 = attend, very negative = masked) -> bool."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _valid_tokens(attention_mask, batch: int, length: int, past: int) -> Tensor | None:
+    """(batch, 1, T) bool: which of the current tokens are real (not padding), or None if all.
+
+    A token is real when it may attend to itself: HF masks exclude padding positions
+    entirely. 2-D masks (flash-attention) mark real keys with 1.
+    """
+    if not isinstance(attention_mask, Tensor):
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -length:].bool().reshape(batch, 1, length)
+    if attention_mask.dim() == 4:
+        allowed = _allowed(attention_mask[:, :1]).expand(batch, 1, length, -1)
+        index = torch.arange(length, device=allowed.device)
+        return allowed[:, :, index, past + index]
+    return None
+
+
+def _softmax_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float, dropout: float, groups: int):
+    """Plain masked softmax attention; q (B, H, Tq, d), k/v (B, KV, Tk, d) -> (B, Tq, H, d)."""
+    out = F.scaled_dot_product_attention(
+        q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=allowed, dropout_p=dropout, scale=scaling
+    )
+    return out.transpose(1, 2)
+
+
+def _band(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Causal (and sliding-window) mask from absolute positions: (Tq, Tk) bool."""
+    offset = q_pos[:, None] - k_pos[None, :]
+    allowed = offset >= 0
+    if window is not None:
+        allowed &= offset < window
+    return allowed
+
+
+def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: int, device) -> Tensor:
+    """The HF mask (causal + padding) restricted to the sliding window: (B, 1, T, Tk) bool."""
+    q_pos = torch.arange(total - length, total, device=device)
+    allowed = _band(q_pos, torch.arange(total, device=device), window)[None, None]
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4:
+        allowed = allowed & _allowed(attention_mask[..., -total:])
+    elif isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
+        allowed = allowed & attention_mask[:, None, None, -total:].bool()
+    elif attention_mask is not None:
+        raise NotImplementedError(
+            f"window needs a tensor attention mask; got {type(attention_mask).__name__}. "
+            "Load the model with attn_implementation='sdpa' or 'eager'."
+        )
+    # A padding query may not attend to anything; let it see itself so no row is empty.
+    diagonal = (q_pos[:, None] == torch.arange(total, device=device)[None, :])[None, None]
+    return (allowed | diagonal).expand(batch, 1, length, total)
+
+
+class _LayerStream:
+    """One layer's carried state while streaming: delta memory + sliding-window KV cache."""
+
+    def __init__(self, window: int | None, form: str):
+        self.window = window
+        self.form = form
+        self.memory: Tensor | None = None  # (B, H, d_v, d_k) float32
+        self.keys: Tensor | None = None  # (B, KV, <= window, d), after RoPE
+        self.values: Tensor | None = None
+        self.seen = 0  # tokens processed so far
+
+    def softmax_path(self, attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, dropout: float) -> Tensor:
+        length = q.shape[2]
+        if self.keys is not None:
+            k = torch.cat([self.keys, k], dim=2)
+            v = torch.cat([self.values, v], dim=2)
+        q_pos = torch.arange(self.seen, self.seen + length, device=q.device)
+        k_pos = torch.arange(self.seen + length - k.shape[2], self.seen + length, device=q.device)
+        allowed = _band(q_pos, k_pos, self.window)
+        out = _softmax_attention(q, k, v, allowed, attn.scaling, dropout, attn.num_key_value_groups)
+        keep = k.shape[2] if self.window is None else min(self.window, k.shape[2])
+        self.keys, self.values = k[:, :, -keep:].detach(), v[:, :, -keep:].detach()
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.memory, self.keys, self.values) if t is not None)
+
+
+def dual_path_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    position_embeddings: tuple[Tensor, Tensor] | None = None,
+    attention_mask: Tensor | None = None,
+    past_key_values=None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    """Replacement ``forward`` of a Llama-family attention module (bound to it).
+
+    Same signature and return value as ``LlamaAttention.forward`` in transformers 5.x:
+    ``(attn_output, attn_weights)``.
+    """
+    config: FedNLConfig = self.fednl_config
+    stream: _LayerStream | None = self.fednl_stream
+    batch, length = hidden_states.shape[:2]
+    hidden_shape = (batch, length, -1, self.head_dim)
+
+    # Shared projections (possibly PEFT LoRA-wrapped), before RoPE: (B, heads, T, d).
+    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    dropout = self.attention_dropout if self.training else 0.0
+
+    # ---- softmax path: RoPE, then the backbone's attention (optionally windowed)
+    if position_embeddings is None:
+        raise ValueError("the attention layer needs position_embeddings (cos, sin) from the model")
+    cos, sin = position_embeddings
+    q_rot, k_rot = _model_function(self, "apply_rotary_pos_emb")(query, key, cos, sin)
+    past = 0
+    attn_weights = None
+    if stream is not None:
+        soft = stream.softmax_path(self, q_rot, k_rot, value, dropout)
+    else:
+        k_all, v_all = k_rot, value
+        if past_key_values is not None:
+            past = past_key_values.get_seq_length(self.layer_idx)
+            k_all, v_all = past_key_values.update(k_rot, value, self.layer_idx)
+        if config.window is None:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, _model_function(self, "eager_attention_forward")
+            )
+            extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
+            soft, attn_weights = interface(
+                self, q_rot, k_all, v_all, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs
+            )
+        else:
+            total = k_all.shape[2]
+            allowed = _windowed_mask(attention_mask, batch, length, total, config.window, q_rot.device)
+            soft = _softmax_attention(q_rot, k_all, v_all, allowed, self.scaling, dropout, self.num_key_value_groups)
+
+    # ---- memory path: delta rule on the pre-RoPE projections
+    linear_dtype = query.dtype if fla_usable(query) and config.use_fla is not False else torch.float32
+    if config.qk_activation == "silu":
+        query, key = F.silu(query), F.silu(key)
+    q_mem = l2_normalize(query.to(linear_dtype))
+    k_mem = l2_normalize(_repeat_kv(key, self.num_key_value_groups).to(linear_dtype))
+    v_mem = _repeat_kv(value, self.num_key_value_groups).to(linear_dtype)
+    beta = self.fednl_beta(hidden_states)
+    valid = None if stream is not None else _valid_tokens(attention_mask, batch, length, past)
+    if valid is not None:  # padding writes nothing
+        beta = beta * valid
+        k_mem = torch.where(valid[..., None], k_mem, torch.zeros_like(k_mem))
+        v_mem = torch.where(valid[..., None], v_mem, torch.zeros_like(v_mem))
+
+    if stream is not None:
+        rule = delta_rule_recurrent if stream.form == "recurrent" else delta_rule_chunked
+        extra = {} if stream.form == "recurrent" else {"chunk_size": config.chunk_size, "use_fla": config.use_fla}
+        memory_out, stream.memory = rule(
+            q_mem, k_mem, v_mem, beta.to(linear_dtype), initial_state=stream.memory, **extra
+        )
+        stream.seen += length
+    else:
+        states = None if past_key_values is None else past_key_values.__dict__.setdefault("fednl_states", {})
+        initial = None
+        if past > 0:
+            initial = states.get(self.layer_idx)
+            if initial is None:
+                raise ValueError(
+                    f"layer {self.layer_idx}: the cache holds {past} tokens but no delta-memory state; "
+                    "continue only caches produced by this FedNL model"
+                )
+        memory_out, final = delta_rule_chunked(
+            q_mem, k_mem, v_mem, beta.to(linear_dtype), config.chunk_size, initial, use_fla=config.use_fla
+        )
+        if states is not None:
+            states[self.layer_idx] = final
+
+    # ---- memory as gate: mix per channel, then the shared output projection
+    soft = soft.reshape(batch, length, -1)
+    memory_out = memory_out.transpose(1, 2).reshape(batch, length, -1)
+    alpha = torch.sigmoid(self.fednl_gate)
+    mixed = ((1 - alpha) * soft + alpha * memory_out).to(soft.dtype)
+    return self.o_proj(mixed), attn_weights
+
+
+# --------------------------------------------------------------------------- streaming inference
+class FedNLStreamer:
+    """Runs a FedNL model over an arbitrarily long token stream, block by block.
+
+    Each layer carries (a) its delta-memory state, ``(batch, heads, d_v, d_k)``, and
+    (b) a KV cache of at most ``window`` tokens for the softmax path, so with a window
+    the carried state, and the peak memory of a block, do not grow with the context.
+    (``window=None`` keeps the whole KV cache: exact full attention, growing memory.)
+    Sequences in a batch advance together; padding is not supported here.
+
+    The state lives in the streamer; modules are switched into streaming mode only
+    while :meth:`step` runs, so the model stays usable for ordinary forwards. Blocks run
+    under ``torch.no_grad()`` in whatever mode the model is in: call ``model.eval()``.
+    """
+
+    def __init__(self, model: nn.Module, block: int = 256, form: str = "recurrent"):
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"block must be a positive int, got {block!r}")
+        if form not in STREAM_FORMS:
+            raise ValueError(f"form must be one of {STREAM_FORMS}, got {form!r}")
+        self.model = model
+        self.block = block
+        self.form = form
+        self.attentions = memory_attentions(model)
+        if not self.attentions:
+            raise ValueError("the model has no FedNL memory; call add_delta_memory(model, config) first")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: a new stream starts with S = 0 and an empty cache."""
+        self.states = [_LayerStream(attn.fednl_config.window, self.form) for attn in self.attentions]
+        self.position = 0
+
+    def state_bytes(self) -> int:
+        """Bytes carried between blocks (memories + window caches, all layers)."""
+        return sum(state.nbytes() for state in self.states)
+
+    @torch.no_grad()
+    def step(self, input_ids: Tensor) -> Tensor:
+        """Feed the next tokens ``(batch, T)`` (any T); return their logits ``(batch, T, vocab)``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, T), got {tuple(input_ids.shape)}")
+        batch, length = input_ids.shape
+        positions = torch.arange(self.position, self.position + length, device=input_ids.device)
+        for attn, state in zip(self.attentions, self.states):
+            attn.fednl_stream = state
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions.expand(batch, -1), use_cache=False)
+        finally:
+            for attn in self.attentions:
+                attn.fednl_stream = None
+        self.position += length
+        return out.logits
+
+    def blocks(self, input_ids: Tensor):
+        """Yield ``(start, logits)`` for consecutive blocks of ``input_ids``."""
+        for start in range(0, input_ids.shape[1], self.block):
+            yield start, self.step(input_ids[:, start : start + self.block])
+
+
+def stream_logits(model: nn.Module, input_ids: Tensor, block: int = 256, form: str = "recurrent") -> Tensor:
+    """All logits ``(batch, T, vocab)`` of a stream processed block by block (for short checks;
+    use :func:`stream_token_nll` for long streams, whose logits would not fit)."""
+    streamer = FedNLStreamer(model, block=block, form=form)
+    return torch.cat([logits for _, logits in streamer.blocks(input_ids)], dim=1)
+
+
+def stream_token_nll(model: nn.Module, input_ids: Tensor, block: int = 256, form: str = "recurrent") -> Tensor:
+    """Next-token negative log-likelihood ``(batch, T - 1)`` of a stream, block by block.
+
+    Memory stays bounded by one block's logits. Entry t is ``-log p(x_{t+1} | x_<=t)``
+    (the streaming cross-entropy diagnostic bins these per 1K tokens).
+    """
+    streamer = FedNLStreamer(model, block=block, form=form)
+    length = input_ids.shape[1]
+    pieces = []
+    for start, logits in streamer.blocks(input_ids):
+        end = min(start + logits.shape[1], length - 1)  # the last token has no target
+        if end <= start:
+            break
+        targets = input_ids[:, start + 1 : end + 1]
+        log_probs = torch.log_softmax(logits[:, : end - start].float(), dim=-1)
+        pieces.append(-log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    if not pieces:
+        return input_ids.new_zeros(input_ids.shape[0], 0, dtype=torch.float32)
+    return torch.cat(pieces, dim=1)

@@ -1,0 +1,262 @@
+"""The delta rule: a linear associative memory written one token at a time.
+
+Per head, a memory matrix ``S`` (``d_v x d_k``) is updated by one gradient step on
+``1/2 ||S k_t - v_t||^2`` with step size ``beta_t``, then read with the query::
+
+    S_t = S_{t-1} + beta_t (v_t - S_{t-1} k_t) k_t^T        S_0 = 0 (or a given state)
+    o_t = S_t q_t
+
+Keys should be L2-normalised and ``beta_t`` lie in (0, 1) for the update to be a
+contraction (pass ``qk_l2norm=True`` to normalise q and k here). Two exact forms:
+
+* :func:`delta_rule_recurrent`: token by token. Streaming inference: the carried state
+  is one ``(batch, heads, d_v, d_k)`` tensor whatever the sequence length.
+* :func:`delta_rule_chunked`: the chunk-parallel WY/UT form used for training
+  (Yang et al., "Parallelizing Linear Transformers with the Delta Rule", 2024). Within
+  a chunk of ``C`` tokens the ``C`` sequential updates collapse to one triangular solve
+  (the UT transform) and a few matrix products; only the ``T / C`` chunk boundaries
+  remain sequential. Differentiable end to end (BPTT through the memory).
+
+Both agree to float tolerance (``tests/test_deltarule.py``). Shapes follow the HF
+attention layout: q, k ``(batch, heads, T, d_k)``, v ``(batch, heads, T, d_v)``, beta
+``(batch, heads, T)``; the state is ``(batch, heads, d_v, d_k)`` so that ``o = S q``
+(flash-linear-attention stores the transpose, ``d_k x d_v``).
+
+Arithmetic is float32 (half-precision inputs are upcast); outputs come back in q's dtype
+and the state in float32. On CUDA, with ``flash-linear-attention`` installed and
+half-precision inputs, :func:`delta_rule_chunked` may hand the work to its Triton kernel
+(``fla.ops.delta_rule.chunk_delta_rule``); the pure-PyTorch code is the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "delta_rule_recurrent",
+    "delta_rule_chunked",
+    "ut_transform",
+    "l2_normalize",
+    "fla_available",
+    "fla_usable",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """Unit L2 norm over the last dimension (as fla's ``use_qk_l2norm_in_kernel``)."""
+    return F.normalize(x, p=2.0, dim=-1, eps=eps)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor | None):
+    """Validate shapes; return ``(batch, heads, T, d_k, d_v)``."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            "q, k, v must be 4-D (batch, heads, T, d); got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    batch, heads, length, d_k = q.shape
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must be (batch, heads, T, d_v) = ({batch}, {heads}, {length}, d_v), got v {tuple(v.shape)}"
+        )
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be (batch, heads, T) = {tuple(q.shape[:3])}, got beta {tuple(beta.shape)}")
+    d_v = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (batch, heads, d_v, d_k):
+        raise ValueError(
+            f"initial_state must be (batch, heads, d_v, d_k) = {(batch, heads, d_v, d_k)}, "
+            f"got initial_state {tuple(initial_state.shape)}"
+        )
+    return batch, heads, length, d_k, d_v
+
+
+def _initial_state(initial_state: Tensor | None, batch, heads, d_v, d_k, device) -> Tensor:
+    if initial_state is None:
+        return torch.zeros(batch, heads, d_v, d_k, device=device, dtype=torch.float32)
+    return initial_state.to(device=device, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- recurrent form
+def delta_rule_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    *,
+    qk_l2norm: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Token-by-token delta rule. Returns ``(o, final_state)``.
+
+    ``o`` is ``(batch, heads, T, d_v)`` in q's dtype, ``final_state`` is
+    ``(batch, heads, d_v, d_k)`` in float32. Beyond the outputs, memory is O(1) in T
+    under ``torch.no_grad()`` (autograd, when enabled, keeps every step for BPTT).
+    """
+    batch, heads, length, d_k, d_v = _check_inputs(q, k, v, beta, initial_state)
+    out_dtype = q.dtype
+    q, k, v, beta = (x.float() for x in (q, k, v, beta))
+    if qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
+    outputs = []
+    for t in range(length):
+        k_t = k[:, :, t].unsqueeze(-1)  # (B, H, d_k, 1)
+        v_t = v[:, :, t].unsqueeze(-1)  # (B, H, d_v, 1)
+        b_t = beta[:, :, t, None, None]  # (B, H, 1, 1)
+        error = v_t - state @ k_t  # what the memory gets wrong about this key
+        state = state + (b_t * error) @ k_t.transpose(-1, -2)
+        outputs.append((state @ q[:, :, t].unsqueeze(-1)).squeeze(-1))
+    if outputs:
+        o = torch.stack(outputs, dim=2)
+    else:
+        o = q.new_zeros(batch, heads, 0, d_v)
+    return o.to(out_dtype), state
+
+
+# --------------------------------------------------------------------------- chunked (WY/UT) form
+def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> tuple[Tensor, Tensor]:
+    """The UT transform of one block of keys: ``w = A (beta k)``, ``u = A (beta v)``.
+
+    ``A = (I + strictly_lower((beta k) k^T))^{-1}`` is unit lower triangular. Shapes:
+    k ``(..., C, d_k)``, v ``(..., C, d_v)``, beta ``(..., C)``; returns w ``(..., C, d_k)``
+    and u ``(..., C, d_v)``. ``method``:
+
+    * ``"solve"``: one batched ``torch.linalg.solve_triangular`` (used by the chunked form);
+    * ``"rows"``: the reference of SPEC.md: start from ``I + strictly_lower(-(beta k) k^T)``
+      and complete the inverse by forward substitution, one row at a time.
+    """
+    k_beta = k * beta.unsqueeze(-1)
+    v_beta = v * beta.unsqueeze(-1)
+    size = k.shape[-2]
+    eye = torch.eye(size, device=k.device, dtype=k.dtype)
+    lower = torch.tril(k_beta @ k.transpose(-1, -2), diagonal=-1)
+    if method == "solve":
+        rhs = torch.cat([k_beta, v_beta], dim=-1)
+        wu = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        return wu[..., : k.shape[-1]], wu[..., k.shape[-1] :]
+    if method == "rows":
+        # A = I + M with M strictly lower; row by row, M[i] = -L[i] - sum_{j<i} L[i, j] M[j].
+        neg = -lower
+        rows = []
+        for i in range(size):
+            row = neg[..., i, :]
+            if i:
+                row = row + (neg[..., i, :i, None] * torch.stack(rows, dim=-2)).sum(-2)
+            rows.append(row)
+        a = torch.stack(rows, dim=-2) + eye
+        return a @ k_beta, a @ v_beta
+    raise ValueError(f"method must be 'solve' or 'rows', got {method!r}")
+
+
+def delta_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    *,
+    qk_l2norm: bool = False,
+    use_fla: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Chunk-parallel delta rule, exactly equal (to float tolerance) to the recurrence.
+
+    Per chunk of C tokens, with ``S`` the state entering the chunk::
+
+        w, u = UT transform of (k, v, beta)          # all chunks at once
+        u'   = u - w S^T                             # what each token really writes
+        o    = q S^T + causal(q k^T) u'              # causal mask includes the diagonal
+        S    = S + u'^T k
+
+    A sequence shorter than ``chunk_size`` is one short chunk; otherwise the last chunk
+    is zero-padded (beta = 0 there, so padding writes nothing). ``use_fla``: None picks
+    the fla Triton kernel when it can run (CUDA tensors, fp16/bf16, package installed),
+    True requires it, False never uses it. Returns ``(o, final_state)`` as
+    :func:`delta_rule_recurrent` does.
+    """
+    batch, heads, length, d_k, d_v = _check_inputs(q, k, v, beta, initial_state)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if use_fla is True and not fla_usable(q):
+        raise ValueError(
+            "use_fla=True needs flash-linear-attention installed and CUDA fp16/bf16 tensors "
+            f"(got device {q.device}, dtype {q.dtype}, fla installed: {fla_available()})"
+        )
+    if use_fla is not False and length > 0 and fla_usable(q):
+        return _fla_chunk_delta_rule(q, k, v, beta, initial_state, qk_l2norm)
+
+    out_dtype = q.dtype
+    q, k, v, beta = (x.float() for x in (q, k, v, beta))
+    if qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
+    if length == 0:
+        return q.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+
+    size = min(chunk_size, length)
+    pad = (-length) % size
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta = F.pad(beta, (0, pad))
+    chunks = (length + pad) // size
+    q = q.reshape(batch, heads, chunks, size, d_k)
+    k = k.reshape(batch, heads, chunks, size, d_k)
+    v = v.reshape(batch, heads, chunks, size, d_v)
+    beta = beta.reshape(batch, heads, chunks, size)
+
+    # Everything that does not depend on the incoming state, for all chunks in parallel.
+    w, u = ut_transform(k, v, beta)
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    intra = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+
+    outputs = []
+    for c in range(chunks):
+        state_t = state.transpose(-1, -2)  # (B, H, d_k, d_v)
+        u_c = u[:, :, c] - w[:, :, c] @ state_t
+        outputs.append(q[:, :, c] @ state_t + intra[:, :, c] @ u_c)
+        state = state + u_c.transpose(-1, -2) @ k[:, :, c]
+    o = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
+    return o.to(out_dtype), state
+
+
+# --------------------------------------------------------------------------- optional CUDA kernel
+def fla_available() -> bool:
+    """Whether flash-linear-attention is importable (checked without importing it)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def fla_usable(x: Tensor) -> bool:
+    """Whether fla's chunk kernel can take this tensor: CUDA, fp16/bf16, fla installed."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and fla_available()
+
+
+def _fla_chunk_delta_rule(q, k, v, beta, initial_state, qk_l2norm):
+    """fla's Triton kernel. fla wants (B, T, H, d) and keeps the state as (d_k, d_v);
+    ``scale=1.0`` because this module's readout is ``o = S q`` without 1/sqrt(d_k)."""
+    from fla.ops.delta_rule import chunk_delta_rule  # imported only when it will run
+
+    h0 = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
+    o, state = chunk_delta_rule(
+        q.transpose(1, 2).contiguous(),
+        k.transpose(1, 2).contiguous(),
+        v.transpose(1, 2).contiguous(),
+        beta.to(q.dtype).transpose(1, 2).contiguous(),
+        scale=1.0,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=qk_l2norm,
+    )
+    return o.transpose(1, 2), state.float().transpose(-1, -2)

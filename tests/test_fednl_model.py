@@ -1,0 +1,260 @@
+"""FedNL dual-path attention on tiny random-init Llama / Qwen2 models."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from clients.fednl import (
+    FedNLConfig,
+    FedNLStreamer,
+    add_delta_memory,
+    mark_trainable,
+    memory_attentions,
+    memory_gate_values,
+    meta_rule_names,
+    stream_logits,
+    stream_token_nll,
+)
+
+torch.set_num_threads(1)
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+)
+
+
+def tiny_llama(attn_implementation="sdpa", seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY)
+    config._attn_implementation = attn_implementation
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_qwen2(seed=0):
+    torch.manual_seed(seed)
+    config = Qwen2Config(**TINY)
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config).eval()
+
+
+def with_memory(backbone, **kwargs):
+    """A copy of ``backbone`` with the memory, alpha = 0.5 and input-dependent beta."""
+    kwargs.setdefault("gate_init_logit", 0.0)
+    model = add_delta_memory(copy.deepcopy(backbone), FedNLConfig(**kwargs))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for attn in memory_attentions(model):
+            attn.fednl_beta.weight.copy_(torch.randn(attn.fednl_beta.weight.shape, generator=generator) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+def tokens(batch, length, seed=0):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- alpha = 0 is the backbone
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_alpha_zero_gives_the_backbone_exactly(implementation):
+    backbone = tiny_llama(implementation)
+    ids = tokens(2, 50)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # left padding
+    with torch.no_grad():
+        expected = backbone(ids).logits
+        expected_masked = backbone(ids, attention_mask=mask).logits
+        model = add_delta_memory(copy.deepcopy(backbone), FedNLConfig(gate_init_logit=float("-inf")))
+        assert torch.equal(model(ids).logits, expected)
+        assert torch.equal(model(ids, attention_mask=mask).logits, expected_masked)
+        very_negative = add_delta_memory(copy.deepcopy(backbone), FedNLConfig(gate="channel", gate_init_logit=-30.0))
+        assert (very_negative(ids).logits - expected).abs().max() <= 1e-5
+        mixed = with_memory(backbone)
+        assert (mixed(ids).logits - expected).abs().max() > 1e-3  # the memory does change the output
+
+
+def test_qwen2_gets_the_memory_too():
+    backbone = tiny_qwen2()
+    ids = tokens(1, 40)
+    with torch.no_grad():
+        expected = backbone(ids).logits
+        model = add_delta_memory(copy.deepcopy(backbone), FedNLConfig(gate_init_logit=float("-inf")))
+        assert torch.equal(model(ids).logits, expected)
+        mixed = with_memory(backbone, window=16)
+        assert len(memory_attentions(mixed)) == 2
+        assert (stream_logits(mixed, ids, block=16) - mixed(ids).logits).abs().max() <= 1e-4
+
+
+def test_new_parameters_are_named_initialised_and_alone_trainable(llama):
+    model = add_delta_memory(copy.deepcopy(llama), FedNLConfig(gate="channel", gate_init_logit=-4.0, beta="constant"))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == meta_rule_names(model, "gate")
+    assert trainable == [
+        f"model.layers.{i}.self_attn.{name}" for i in range(2) for name in ("fednl_gate", "fednl_beta.bias")
+    ]
+    assert model.model.layers[0].self_attn.fednl_gate.shape == (4 * 16,)
+    assert memory_gate_values(model) == pytest.approx([torch.sigmoid(torch.tensor(-4.0)).item()] * 2)
+    # backbone names are unchanged, so a plain checkpoint still loads
+    missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all("fednl_" in name for name in missing)
+
+
+def test_gradients_reach_gate_and_beta_but_not_the_backbone(llama):
+    model = with_memory(llama, chunk_size=16)
+    model.train()
+    ids = tokens(2, 40)
+    model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        if "fednl_" in name:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+        else:
+            assert param.grad is None, name
+
+
+# --------------------------------------------------------------------------- LoRA with PEFT on top
+def test_peft_lora_on_qkv_trains_with_the_memory(llama):
+    model = with_memory(llama, chunk_size=16)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]))
+    trainable = mark_trainable(model)
+    payload = meta_rule_names(model, "meta-rules")
+    gate_only = meta_rule_names(model, "gate")
+    assert trainable == payload
+    assert len(gate_only) == 2 * 3 and all("fednl_" in n for n in gate_only)
+    assert len(payload) == len(gate_only) + 2 * 3 * 2  # + lora_A/lora_B on q, k, v of 2 layers
+    assert all(n.startswith("base_model.model.model.layers.") for n in payload)
+
+    ids = tokens(2, 40)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        if name in payload:
+            assert param.grad is not None, name
+            if "lora_A" not in name:  # lora_B starts at zero, so lora_A's first gradient is zero
+                assert param.grad.abs().sum() > 0, name
+        else:
+            assert param.grad is None, name
+
+    # the dual-path forward calls the PEFT-wrapped projections: LoRA changes the output
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+        assert (model(input_ids=ids).logits - before).abs().max() > 1e-3
+
+
+def test_payload_names_need_the_memory_and_lora(llama):
+    with pytest.raises(ValueError, match="add_delta_memory"):
+        meta_rule_names(llama, "gate")
+    model = add_delta_memory(copy.deepcopy(llama))
+    with pytest.raises(ValueError, match="LoRA"):
+        meta_rule_names(model, "meta-rules")
+    with pytest.raises(ValueError, match="mode"):
+        meta_rule_names(model, "everything")
+
+
+# --------------------------------------------------------------------------- streaming
+@pytest.mark.parametrize("window", [None, 100, 24])
+def test_streaming_in_blocks_equals_one_full_forward(llama, window):
+    model = with_memory(llama, window=window, chunk_size=32)
+    ids = tokens(2, 300)  # 4 blocks of 64 and a short one of 44
+    with torch.no_grad():
+        full = model(ids).logits
+    assert (stream_logits(model, ids, block=64) - full).abs().max() <= 1e-4
+    assert (stream_logits(model, ids, block=64, form="chunked") - full).abs().max() <= 1e-4
+    assert all(attn.fednl_stream is None for attn in memory_attentions(model))  # no mode left behind
+
+
+def test_stream_token_nll_matches_full_cross_entropy(llama):
+    model = with_memory(llama)
+    ids = tokens(1, 130)
+    with torch.no_grad():
+        logits = model(ids).logits
+    expected = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    nll = stream_token_nll(model, ids, block=64)
+    assert nll.shape == (1, 129)
+    assert (nll[0] - expected).abs().max() <= 1e-4
+
+
+def test_streaming_state_does_not_grow_with_context(llama):
+    window, block = 64, 256
+    model = with_memory(llama, window=window)
+    sizes = {}
+    for length in (1024, 4096):
+        streamer = FedNLStreamer(model, block=block)
+        for _ in streamer.blocks(tokens(1, length)):
+            pass
+        sizes[length] = streamer.state_bytes()
+        assert streamer.position == length
+    # per layer: memory (1 x 4 heads x 16 x 16) + window keys and values (1 x 2 kv heads x 64 x 16), float32
+    per_layer = 4 * (4 * 16 * 16 + 2 * (2 * window * 16))
+    assert sizes[1024] == sizes[4096] == 2 * per_layer
+
+
+# --------------------------------------------------------------------------- generation with the HF cache
+def test_generate_with_cache_matches_recomputing_from_scratch(llama):
+    model = with_memory(llama, chunk_size=8)
+    prompt = tokens(1, 21)
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        ids = prompt
+        for _ in range(6):
+            next_id = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    assert torch.equal(generated, ids)
+
+
+def test_padding_never_writes_to_the_memory(llama):
+    model = with_memory(llama)
+    ids = tokens(1, 30)
+    padded = torch.cat([torch.zeros(1, 9, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 9, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    with torch.no_grad():
+        alone = model(ids).logits
+        batched = model(padded, attention_mask=mask).logits[:, 9:]
+    assert (alone - batched).abs().max() <= 1e-4
+
+
+# --------------------------------------------------------------------------- configuration errors
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"window": 0}, "window"),
+        ({"gate": "vector"}, "gate"),
+        ({"beta": "learned"}, "beta"),
+        ({"qk_activation": "relu"}, "qk_activation"),
+        ({"use_fla": "auto"}, "use_fla"),
+        ({"gate_init_logit": float("nan")}, "gate_init_logit"),
+    ],
+)
+def test_bad_config_is_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FedNLConfig(**kwargs)
+
+
+def test_bad_models_and_arguments_are_rejected(llama):
+    with pytest.raises(ValueError, match="no self-attention"):
+        add_delta_memory(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model = add_delta_memory(copy.deepcopy(llama))
+    with pytest.raises(ValueError, match="already"):
+        add_delta_memory(model)
+    with pytest.raises(ValueError, match="no FedNL memory"):
+        FedNLStreamer(llama)
+    with pytest.raises(ValueError, match="block"):
+        FedNLStreamer(model, block=0)
+    with pytest.raises(ValueError, match="form"):
+        FedNLStreamer(model, form="parallel")
