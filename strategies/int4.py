@@ -1,0 +1,120 @@
+"""Asymmetric per-tensor int4: FLITE's latent wire format (NumPy only; the server uses it).
+
+A tensor of ``n`` float32 values becomes ``(n + 1) // 2 + 8`` bytes::
+
+    nibbles: q[0] | q[1] << 4, q[2] | q[3] << 4, ...   (low nibble first; an odd tail's
+             high nibble is 0)
+    scale  : float32, little-endian   (the step between levels: (max - min) / 15)
+    zero   : float32, little-endian   (the value of level 0: min)
+
+Each value is quantised to the nearest of the 16 levels ``zero + q·scale``, ``q = 0..15``
+(round to nearest, ties to even), so the round-trip error is at most half a step
+(``scale / 2``, plus the rounding of the fp32 result). A constant tensor has scale 0 and
+decodes exactly. 1,280 latents -> 640 + 8 = 648 bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+LEVELS = 16
+_TRAILER = struct.Struct("<ff")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def int4_nbytes(numel: int) -> int:
+    """Bytes of an int4-packed tensor of ``numel`` values."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return (numel + 1) // 2 + _TRAILER.size
+
+
+def _check_input(x) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise ValueError(f"int4 packs 1-D vectors, got shape {arr.shape}")
+    if arr.dtype.kind not in "fiu":
+        raise ValueError(f"int4 packs numbers, got dtype {arr.dtype}")
+    arr = arr.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("cannot int4-encode NaN or Inf")
+    return arr
+
+
+def _scale_zero(arr: np.ndarray) -> tuple[np.float32, np.float32]:
+    if arr.size == 0:
+        return np.float32(0.0), np.float32(0.0)
+    lo = float(arr.min())
+    hi = float(arr.max())
+    return np.float32((hi - lo) / (LEVELS - 1)), np.float32(lo)
+
+
+def int4_step(x) -> float:
+    """The quantisation step (fp32 ``scale``) :func:`pack_int4` uses for ``x``: the
+    round-trip error bound is half of it."""
+    return float(_scale_zero(_check_input(x))[0])
+
+
+def _quantise(arr: np.ndarray, scale: np.float32, zero: np.float32) -> np.ndarray:
+    if scale == 0:
+        return np.zeros(arr.shape, dtype=np.uint8)
+    t = (arr.astype(np.float64) - float(zero)) / float(scale)
+    return np.clip(np.rint(t), 0, LEVELS - 1).astype(np.uint8)
+
+
+def _dequantise(q: np.ndarray, scale: float, zero: float) -> np.ndarray:
+    out = float(zero) + q.astype(np.float64) * float(scale)
+    # The fp32 scale can round up, so the top level may sit past the float32 range by a hair.
+    return np.clip(out, -_F32_MAX, _F32_MAX).astype(np.float32)
+
+
+def pack_int4(x) -> bytes:
+    """1-D float32 vector -> packed nibbles + fp32 scale + fp32 zero point (little-endian).
+
+    Raises ``ValueError`` for NaN/Inf, non-numeric or non-1-D input.
+    """
+    arr = _check_input(x)
+    scale, zero = _scale_zero(arr)
+    q = _quantise(arr, scale, zero)
+    if q.size % 2:
+        q = np.concatenate([q, np.zeros(1, dtype=np.uint8)])
+    packed = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+    return packed.tobytes() + _TRAILER.pack(float(scale), float(zero))
+
+
+def unpack_int4(data: bytes, numel: int) -> np.ndarray:
+    """Inverse of :func:`pack_int4`: ``numel`` float32 values.
+
+    Raises ``ValueError`` when ``data`` does not have exactly ``(numel + 1) // 2 + 8`` bytes,
+    when the scale or zero point is not finite or the scale is negative, or when the
+    padding nibble of an odd-length tensor is not zero.
+    """
+    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
+        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+    numel = int(numel)
+    data = bytes(data)
+    want = int4_nbytes(numel)
+    if len(data) != want:
+        raise ValueError(f"int4 data for {numel} values must be {want} bytes, got {len(data)}")
+    scale, zero = _TRAILER.unpack(data[-_TRAILER.size:])
+    if not (np.isfinite(scale) and np.isfinite(zero)):
+        raise ValueError(f"int4 scale/zero point must be finite, got scale={scale}, zero={zero}")
+    if scale < 0:
+        raise ValueError(f"int4 scale must be >= 0, got {scale}")
+    packed = np.frombuffer(data[: -_TRAILER.size], dtype=np.uint8)
+    q = np.empty(packed.size * 2, dtype=np.uint8)
+    q[0::2] = packed & 0x0F
+    q[1::2] = packed >> 4
+    if numel % 2 and q[-1] != 0:
+        raise ValueError("int4 data has a non-zero padding nibble (corrupt or mis-sized payload)")
+    return _dequantise(q[:numel], scale, zero)
+
+
+def int4_roundtrip(x) -> np.ndarray:
+    """``unpack_int4(pack_int4(x))`` without the bytes: what the receiver will see
+    (e.g. for a client to keep its own state in sync with a quantised upload)."""
+    arr = _check_input(x)
+    scale, zero = _scale_zero(arr)
+    return _dequantise(_quantise(arr, scale, zero), scale, zero)
