@@ -36,8 +36,11 @@ def _as_fp32(name: str, value) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def encode(tensors: Mapping[str, np.ndarray], fmt: str = "fp32") -> ArrayRecord:
-    """Named float tensors -> ArrayRecord in wire format ``fmt`` ('fp32' or 'int4')."""
+def encode(tensors: Mapping[str, np.ndarray], fmt: str = "fp32", rng: np.random.Generator | None = None) -> ArrayRecord:
+    """Named float tensors -> ArrayRecord in wire format ``fmt`` ('fp32' or 'int4').
+
+    With ``rng``, int4 uses unbiased stochastic rounding (same bytes, see ``strategies.int4``).
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown payload format '{fmt}'; choose one of {sorted(FORMATS)}")
     record = ArrayRecord()
@@ -48,7 +51,7 @@ def encode(tensors: Mapping[str, np.ndarray], fmt: str = "fp32") -> ArrayRecord:
         else:
             from strategies.int4 import pack_int4
 
-            data = pack_int4(arr.reshape(-1))
+            data = pack_int4(arr.reshape(-1), rng=rng)
         record[name] = Array(dtype="float32", shape=tuple(int(s) for s in arr.shape), stype=FORMATS[fmt], data=data)
     return record
 

@@ -1,0 +1,122 @@
+"""FLITE as a ServerApp/ClientApp pair: clients train and send only the latent vector z.
+
+Clients regenerate FLITE's factors from the shared seed (``clients.flite``), load the
+global z, train z alone, and reply with z (int4 or fp32) and the fingerprint of their
+parametrisation; ``strategies.flite.FliteStrategy`` refuses mismatches and averages z.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import OmegaConf
+
+from clients.flite import FliteConfig, apply_flite, fingerprint, get_latents, num_latents, orthogonal_head_, set_latents
+from clients.models import build_model
+from clients.train import evaluate as evaluate_model
+from clients.train import local_train
+from fedapps.algorithms import ServerPlan
+from fedapps.baselines import round_seed
+from fedapps.session import ClientSetupError, client_config, reply, session
+from strategies import codec
+from strategies.flite import FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
+
+
+def flite_config(cfg) -> FliteConfig:
+    return FliteConfig.from_dict(OmegaConf.to_container(cfg.algorithm.flite, resolve=True))
+
+
+def prepare(cfg):
+    """Backbone (+ frozen orthogonal head for vision) with FLITE injected; z = 0."""
+    model, tokenizer = build_model(cfg)
+    head = getattr(model, "head", None)
+    if cfg.model.kind == "vision" and head is not None:
+        orthogonal_head_(head, seed=int(cfg.seed), gain=float(cfg.algorithm.head_gain))
+    config = flite_config(cfg)
+    apply_flite(model, config)
+    return model, tokenizer, {"fingerprint": fingerprint(config, model), "latents": num_latents(model)}
+
+
+def _load(s, msg: Message) -> np.ndarray:
+    expected = s.extra["fingerprint"]
+    sent = msg.content["config"].get("flite-fingerprint")
+    if sent is not None and sent != expected:
+        raise ClientSetupError(f"the server's FLITE fingerprint {sent} differs from this client's {expected}")
+    z = codec.decode(msg.content["arrays"])[LATENT_KEY]
+    set_latents(s.model, z)
+    return z
+
+
+# ---------------------------------------------------------------------------- client
+clientapp = ClientApp()
+
+
+@clientapp.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg = client_config(msg, context)
+    s = session(cfg, context, prepare)
+    received = _load(s, msg)
+    seed = round_seed(cfg, int(msg.content["config"]["server-round"]), s.partition_id)
+    metrics = local_train(s.model, s.task, cfg.train, seed=seed)
+    metrics["partition-id"] = s.partition_id
+    z = get_latents(s.model)
+    if msg.content["config"].get("flite-uplink", "absolute") == "delta":
+        z = z - received
+    rng = np.random.default_rng(seed) if cfg.algorithm.payload == "int4" else None
+    out = reply(msg, metrics, codec.encode({LATENT_KEY: z}, str(cfg.algorithm.payload), rng=rng))
+    out.content[FINGERPRINT_RECORD] = ConfigRecord({"fingerprint": s.extra["fingerprint"]})
+    return out
+
+
+@clientapp.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    cfg = client_config(msg, context)
+    s = session(cfg, context, prepare)
+    _load(s, msg)
+    metrics = evaluate_model(s.model, s.task, cfg.eval)
+    metrics["partition-id"] = s.partition_id
+    return reply(msg, metrics)
+
+
+# ---------------------------------------------------------------------------- server
+def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
+    from flwr.common.logger import log
+    from logging import INFO
+
+    model, _, extra = prepare(cfg)
+    log(INFO, "FLITE: %d latents (%s uplink: %d bytes per client per round), fingerprint %s",
+        extra["latents"], cfg.algorithm.payload,
+        codec.expected_nbytes((extra["latents"],), codec.FORMATS[str(cfg.algorithm.payload)]), extra["fingerprint"])
+    strategy = FliteStrategy(
+        fingerprint=extra["fingerprint"],
+        initial_state={LATENT_KEY: np.zeros(extra["latents"], np.float32)},
+        config_yaml=config_yaml,
+        num_clients=int(cfg.num_clients),
+        min_clients=cfg.strategy.min_clients,
+        fraction_train=float(cfg.strategy.fraction_train),
+        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        uplink_format=str(cfg.algorithm.payload),
+        downlink_format=str(cfg.algorithm.downlink),
+        uplink=str(cfg.algorithm.uplink),
+        on_round_end=on_round_end,
+    )
+
+    def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
+        target = run_dir / "latents.npz"
+        np.savez(target, z=global_state[LATENT_KEY], fingerprint=extra["fingerprint"])
+        return {"final_state": str(target), "latents": extra["latents"], "fingerprint": extra["fingerprint"]}
+
+    return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+serverapp = ServerApp()
+
+
+@serverapp.main()
+def main(grid: Grid, context: Context) -> None:
+    from fedapps.config import compose_from_run_config
+    from fedapps.runner import run_server
+
+    run_server(grid, compose_from_run_config(context.run_config))
