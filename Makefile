@@ -18,14 +18,17 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 DEMO_CLIENTS ?= 4
 DEMO_CONFIG ?= preset='quick'
+DEPLOY_NODES ?= 3
+DEPLOY_CONFIG ?= preset='test' overrides='num_clients=$(DEPLOY_NODES) rounds=2 train.local_steps=4'
 
-.PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast bench clean stop-superlink
+.PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast test-deploy-all bench clean stop-superlink deploy-local
 
 help:
 	@echo "make demo    - set up, then federated LoRA fine-tuning of SmolLM2 via 'flwr run .'"
 	@echo "make test    - set up, then run the test suite"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run the benchmark scripts (bench/)"
+	@echo "make deploy-local - a real SuperLink (TLS, node auth) + $(DEPLOY_NODES) SuperNodes on 127.0.0.1, one 'flwr run', all stopped"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +67,11 @@ demo: assets
 	  --run-config "$(DEMO_CONFIG) output-dir='$(CURDIR)/outputs'" || status=$$?; \
 	$(MAKE) -s stop-superlink; exit $$status
 
+# Deployment rehearsal on loopback (docs/deploy.md): TLS certificates and SuperNode keys made on
+# the spot, keys registered, `flwr run . postcard-local` through the cluster, every process stopped by pid
+deploy-local: assets
+	$(PY) -m fedapps.deploy local --nodes $(DEPLOY_NODES) --run-config "$(DEPLOY_CONFIG)" --outputs "$(CURDIR)/outputs"
+
 # `flwr run` leaves a local SuperLink running; stop the one of this FLWR_HOME by its pid
 stop-superlink:
 	$(PY) -m fedapps.superlink "$(FLWR_HOME)"
@@ -73,6 +81,10 @@ test: assets
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# the deployment tests with every algorithm through the TLS cluster (make test runs four)
+test-deploy-all: assets
+	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py
 
 bench: assets
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

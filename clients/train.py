@@ -1,16 +1,100 @@
-"""Local training and evaluation of whatever a method left trainable."""
+"""Local training and evaluation of whatever a method left trainable.
+
+Device placement (used by ``fedapps.session`` once per client process):
+:func:`select_device` picks CUDA when present (or what ``train.device`` / a node's
+``device`` asks for), :func:`place_model` moves the model there once and, on CUDA with
+``bf16``, marks it for bfloat16 autocast; :func:`place_task` makes the task's batches
+land on the same device. :func:`local_train` and :func:`evaluate` run their forward
+passes under that autocast. On CPU nothing is moved or marked, so CPU runs are exactly
+what they were.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import numpy as np
 import torch
 
+AUTOCAST_ATTR = "_postcard_autocast_dtype"  # set by place_model on CUDA models
+
 
 class TrainingError(RuntimeError):
     pass
+
+
+# ---------------------------------------------------------------------------- devices
+def select_device(preference: str | None = "auto") -> torch.device:
+    """``auto`` (or empty): CUDA when available, else CPU; otherwise the named device, checked."""
+    choice = str(preference or "auto").strip().lower()
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(choice)
+    except RuntimeError:
+        raise TrainingError(f"unknown device '{preference}'; use auto, cpu, cuda or cuda:<index>") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError(f"device '{preference}' was asked for but this process sees no CUDA device "
+                                "(check the driver, CUDA_VISIBLE_DEVICES, or use device=auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise TrainingError(f"device '{preference}' does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    elif device.type != "cpu":
+        raise TrainingError(f"device type '{device.type}' is not supported; use auto, cpu, cuda or cuda:<index>")
+    return device
+
+
+def model_device(model) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def place_model(model, device: torch.device, *, bf16: bool = True):
+    """Move ``model`` to ``device`` once; on CUDA with ``bf16`` (and hardware support), mark
+    it so that :func:`local_train` / :func:`evaluate` autocast its forward passes to bfloat16.
+    Weights, optimiser state and payloads stay float32."""
+    if device.type == "cpu":
+        return model  # CPU: untouched (bit-identical to the unplaced model)
+    model = model.to(device)
+    use_bf16 = bool(bf16) and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    setattr(model, AUTOCAST_ATTR, torch.bfloat16 if use_bf16 else None)
+    return model
+
+
+def _to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def place_task(task, device: torch.device):
+    """Make every batch the task builds (``collate``) land on ``device``; CPU: untouched."""
+    if device.type == "cpu" or getattr(task, "_postcard_device", None) == device:
+        return task
+    collate = task.collate
+
+    def collate_on_device(indices):
+        return _to_device(collate(indices), device)
+
+    task.collate = collate_on_device
+    task._postcard_device = device
+    return task
+
+
+def autocast(model):
+    """bfloat16 autocast for a model :func:`place_model` marked; a no-op context otherwise."""
+    dtype = getattr(model, AUTOCAST_ATTR, None)
+    device = model_device(model)
+    if dtype is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=dtype)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
@@ -49,7 +133,8 @@ def local_train(
     start = time.perf_counter()
     model.eval()
     for batch in task.train_batches(int(train_cfg.local_steps), int(train_cfg.batch_size), rng):
-        loss = task.loss(model, batch)
+        with autocast(model):  # forward only; backward runs outside autocast, as PyTorch recommends
+            loss = task.loss(model, batch)
         if not torch.isfinite(loss):
             raise TrainingError(f"the training loss became {loss.item()}; lower train.lr (now {train_cfg.lr})")
         losses.append(loss.item())
@@ -74,7 +159,7 @@ def local_train(
 def evaluate(model, task, eval_cfg) -> dict[str, float | int]:
     start = time.perf_counter()
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), autocast(model):
         metrics = task.evaluate(model, int(eval_cfg.batch_size), int(eval_cfg.max_batches))
     if not all(math.isfinite(float(v)) for v in metrics.values()):
         raise TrainingError(f"evaluation produced non-finite metrics: {metrics}")

@@ -3,25 +3,48 @@
 ``run_server(grid, cfg)``: make the run folder, let the algorithm build its strategy and
 initial state, wait for the SuperNodes, evaluate the initial model (round 0), run the
 rounds, save the final global state, write the summary and plots.
+
+The round loop is explicit (rather than Flower's ``Strategy.start``) for two reasons:
+
+* **fault tolerance** — replies are collected by :func:`collect_replies`: a round waits at
+  most ``strategy.timeout`` seconds, and once ``strategy.min_clients`` nodes have answered
+  it waits at most ``strategy.straggler_timeout`` more for the rest. A node that never
+  answers (killed, unreachable; Flower also reports a node whose heartbeat stopped as
+  unavailable) is logged with its id and recorded in the round's ``missing`` list; the
+  round completes with the others.
+* **checkpoints** — after every round (round 0 included) the strategy's state, the round
+  and the history go to ``checkpoint.npz`` in the run folder (``fedapps.checkpoint``); a
+  run started again with ``resume`` continues after the last completed round.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from logging import INFO
+from logging import INFO, WARNING
+from pathlib import Path
 
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Message
+from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import OmegaConf
 
 from fedapps import algorithms
+from fedapps import checkpoint as ckpt
 from fedapps.config import to_yaml
 from fedapps.outputs import RunDir
+
+# errors Flower itself puts in place of a reply that will never come
+_UNAVAILABLE = {ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE}
 
 
 class ServerSetupError(RuntimeError):
     pass
+
+
+class NoReplies(RuntimeError):
+    """No node answered a round's messages: the run stops (and can be resumed)."""
 
 
 def wait_for_nodes(grid: Grid, wanted: int | None, seconds: float) -> int:
@@ -44,14 +67,134 @@ def wait_for_nodes(grid: Grid, wanted: int | None, seconds: float) -> int:
         time.sleep(0.5)
 
 
+def collect_replies(
+    grid: Grid,
+    messages: list[Message],
+    *,
+    timeout: float,
+    quorum: int | None = None,
+    straggler_timeout: float | None = None,
+    poll: float = 1.0,
+) -> tuple[list[Message], dict[int, str]]:
+    """Send ``messages`` and gather their replies; returns (replies, {missing node id: reason}).
+
+    Stops when every node answered, after ``timeout`` seconds, or ``straggler_timeout``
+    seconds after ``quorum`` nodes answered successfully. Flower's own "node / message
+    unavailable" errors (a node whose heartbeat stopped) count as missing, not as replies,
+    so that the missing node is named (such errors come from the SuperLink, not the node).
+    """
+    if not messages:
+        return [], {}
+    ids = set(grid.push_messages(messages)) - {None, ""}
+    node_of = {str(m.metadata.message_id): int(m.metadata.dst_node_id) for m in messages}
+    missing: dict[int, str] = {
+        node: "the message could not be pushed to the SuperLink" for mid, node in node_of.items() if mid not in ids
+    }
+    pending = {mid for mid in ids if mid in node_of}
+    replies: list[Message] = []
+    start = time.time()
+    quorum_at = None
+    ok = 0
+    while pending:
+        for reply in grid.pull_messages(set(pending)):
+            mid = str(reply.metadata.reply_to_message_id)
+            if mid not in pending:
+                continue
+            pending.discard(mid)
+            if reply.has_error() and reply.error.code in _UNAVAILABLE:
+                missing[node_of[mid]] = f"unavailable ({reply.error.reason.strip()})"
+                continue
+            replies.append(reply)
+            ok += 0 if reply.has_error() else 1
+        if not pending:
+            break
+        now = time.time()
+        if quorum is not None and ok >= quorum and quorum_at is None:
+            quorum_at = now
+        if quorum_at is not None and straggler_timeout is not None and now - quorum_at >= straggler_timeout:
+            for mid in pending:
+                missing[node_of[mid]] = (f"no reply {straggler_timeout:.0f} s after {ok} of {len(node_of)} nodes "
+                                         f"had answered (strategy.straggler_timeout)")
+            break
+        if now - start >= timeout:
+            for mid in pending:
+                missing[node_of[mid]] = f"no reply within {timeout:.0f} s (strategy.timeout)"
+            break
+        time.sleep(poll)
+    return replies, missing
+
+
+class _ContinuedRunDir(RunDir):
+    """An existing run folder, reopened to continue (its metrics.jsonl rewritten from ``history``)."""
+
+    def __init__(self, cfg, path: Path, history: list[dict]) -> None:  # RunDir.__init__ would make a new folder
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.cfg = cfg
+        self.metric = str(cfg.task.metric)
+        self._header_printed = False
+        (path / "config.yaml").write_text(to_yaml(cfg))
+        # rounds after the checkpoint (a crash between metrics.jsonl and the checkpoint) are dropped
+        tmp = path / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(record) + "\n" for record in history))
+        tmp.replace(path / "metrics.jsonl")
+        (path / "summary.json").unlink(missing_ok=True)
+
+
+class _Rounds:
+    """Sends one phase of a round, records the nodes that did not answer."""
+
+    def __init__(self, grid: Grid, strategy, cfg) -> None:
+        self.grid = grid
+        self.strategy = strategy
+        self.timeout = float(cfg.strategy.timeout)
+        straggler = cfg.strategy.get("straggler_timeout")
+        self.straggler_timeout = float(straggler) if straggler is not None else None
+        self.min_clients = int(cfg.strategy.min_clients) if cfg.strategy.min_clients else None
+        self.node_wait = float(cfg.strategy.node_wait)
+
+    def send(self, server_round: int, phase: str, messages) -> list[Message]:
+        messages = list(messages)
+        quorum = min(self.min_clients, len(messages)) if self.min_clients else None
+        replies, missing = collect_replies(self.grid, messages, timeout=self.timeout, quorum=quorum,
+                                           straggler_timeout=self.straggler_timeout)
+        for node_id, reason in sorted(missing.items()):
+            self.strategy.record_missing(server_round, node_id, phase, reason)
+        if messages and not replies:
+            raise NoReplies(f"round {server_round}: none of the {len(messages)} SuperNodes answered the {phase} "
+                            "messages; the run stops here. Restart the SuperNodes and start the run again with "
+                            "resume (see docs/deploy.md) to continue from the last checkpoint.")
+        if missing:
+            log(WARNING, "round %s: %s goes on with %d of %d replies", server_round, phase, len(replies), len(messages))
+        return replies
+
+    def ensure_nodes(self) -> None:
+        """Flower's node sampling waits forever below its minimum: wait ``node_wait`` s, then fail."""
+        needed = int(getattr(self.strategy, "min_available_nodes", 1) or 1)
+        if len(list(self.grid.get_node_ids())) < needed:
+            log(WARNING, "fewer than %d SuperNodes connected; waiting up to %.0f s", needed, self.node_wait)
+            wait_for_nodes(self.grid, needed, self.node_wait)
+
+
 def run_server(grid: Grid, cfg) -> dict:
     pair = algorithms.get(cfg.algorithm.name)
+    resume_dir, must_exist = ckpt.resume_folder(cfg)  # a bad resume request fails before any waiting
     wanted = int(cfg.num_clients) if cfg.num_clients else None
     count = wait_for_nodes(grid, wanted, float(cfg.strategy.node_wait))
     OmegaConf.set_struct(cfg, False)
     cfg.num_clients = wanted or count  # resolved before the config is written and sent
     OmegaConf.set_struct(cfg, True)
-    out = RunDir(cfg)
+
+    checkpoint = None
+    if resume_dir is not None and (must_exist or (resume_dir / ckpt.CHECKPOINT).is_file()):
+        checkpoint = ckpt.load(resume_dir)
+        ckpt.check_compatible(checkpoint, cfg)
+        out = _ContinuedRunDir(cfg, resume_dir, checkpoint.meta.get("history", []))
+    elif resume_dir is not None:
+        log(INFO, "resume=auto: %s has no checkpoint yet; starting the run there", resume_dir)
+        out = _ContinuedRunDir(cfg, resume_dir, [])
+    else:
+        out = RunDir(cfg)
     log(INFO, "Postcard: %s on %s with %s, %d clients, %d rounds -> %s",
         cfg.algorithm.name, cfg.task.name, cfg.model.name, cfg.num_clients, cfg.rounds, out.path)
     plan = pair.plan_server(cfg, on_round_end=out.write_round, config_yaml=to_yaml(cfg))
@@ -59,20 +202,39 @@ def run_server(grid: Grid, cfg) -> dict:
     log(INFO, "federated tensors: %d (%s values); uplink format %s",
         len(strategy.uplink_keys), f"{sum(strategy.global_state[k].size for k in strategy.uplink_keys):,}",
         strategy.uplink_format)
+    rounds = _Rounds(grid, strategy, cfg)
 
-    # round 0: every client evaluates the initial global state
-    initial = strategy.downlink_arrays()
-    replies = grid.send_and_receive(strategy.configure_evaluate(0, initial, ConfigRecord(), grid),
-                                    timeout=float(cfg.strategy.timeout))
-    strategy.aggregate_evaluate(0, replies)
+    def save_checkpoint(server_round: int) -> None:
+        arrays, meta = strategy.state_dict()
+        ckpt.save(out.path, server_round=server_round, cfg=cfg, arrays=arrays, meta=meta)
 
-    strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=int(cfg.rounds),
-        timeout=float(cfg.strategy.timeout),
-        train_config=ConfigRecord(),
-        evaluate_config=ConfigRecord(),
-    )
+    if checkpoint is not None:
+        strategy.load_state_dict(checkpoint.arrays, checkpoint.meta)
+        first = checkpoint.round + 1
+        log(INFO, "Resuming %s from its checkpoint after round %d (of %d)", out.path, checkpoint.round, cfg.rounds)
+    else:
+        # round 0: every client evaluates the initial global state
+        rounds.ensure_nodes()
+        replies = rounds.send(0, "evaluate", strategy.configure_evaluate(0, strategy.downlink_arrays(), ConfigRecord(), grid))
+        strategy.aggregate_evaluate(0, replies)
+        save_checkpoint(0)
+        first = 1
+
+    t_start = time.time()
+    for server_round in range(first, int(cfg.rounds) + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %s/%s]", server_round, cfg.rounds)
+        rounds.ensure_nodes()
+        messages = strategy.configure_train(server_round, strategy.downlink_arrays(), ConfigRecord(), grid)
+        strategy.aggregate_train(server_round, rounds.send(server_round, "train", messages))
+        rounds.ensure_nodes()
+        messages = strategy.configure_evaluate(server_round, strategy.downlink_arrays(), ConfigRecord(), grid)
+        strategy.aggregate_evaluate(server_round, rounds.send(server_round, "evaluate", messages))
+        save_checkpoint(server_round)
+    log(INFO, "rounds %d..%d finished in %.1f s", first, cfg.rounds, time.time() - t_start)
+
     extra = plan.save_final(strategy.global_state, out.path) or {}
+    extra["missing_replies"] = sum(len(r.get("missing", [])) for r in strategy.history)
+    if checkpoint is not None:
+        extra["resumed_after_round"] = checkpoint.round
     return out.finish(strategy.history, extra)

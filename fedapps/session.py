@@ -4,20 +4,40 @@
   message (and keeps it in ``context.state`` for later rounds), so clients never
   re-compose or guess.
 * :func:`partition_of` reads the node's partition from its node config.
+* :func:`node_view` applies the node's own settings (its node config) to the run's config.
 * :func:`session` keeps one prepared model + task per process (a Ray actor or a
-  SuperNode's ClientApp process), built by the algorithm's ``prepare`` function.
+  SuperNode's ClientApp process), built by the algorithm's ``prepare`` function and
+  placed once on the node's device (CUDA when present).
+
+Node config (``flower-supernode --node-config "..."``; in simulation Flower sets the
+first two):
+
+=================  =========================================================================
+``partition-id``   this node's partition, 0..num-partitions-1 (required)
+``num-partitions`` how many partitions the data is split into (= the run's clients)
+``model-path``     a local HF checkpoint folder used instead of ``model.path`` on this node
+                   (the same architecture as the server's model; e.g. weights on a local disk)
+``data-path``      folder for this node's data and converted assets (``$POSTCARD_CACHE``:
+                   the converted SmolLM2 checkpoint, the CIFAR-10 / Fashion-MNIST arrays)
+``device``         ``auto`` (default: CUDA when present), ``cpu``, ``cuda`` or ``cuda:<i>``
+=================  =========================================================================
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from omegaconf import OmegaConf
 
 from fedapps.config import from_yaml
 from strategies.base import CONFIG_RECORD
+
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "model-path", "data-path", "device")
 
 
 class ClientSetupError(RuntimeError):
@@ -51,6 +71,41 @@ def partition_of(context: Context, cfg) -> tuple[int, int]:
     return pid, n
 
 
+def node_view(cfg, context: Context):
+    """The run's config as this node uses it: its ``model-path`` and ``device`` applied.
+
+    ``data-path`` sets ``$POSTCARD_CACHE`` for this process (where assets are converted
+    and cached). Other keys are left to the algorithms that read them.
+    """
+    node_config = context.node_config
+    if "data-path" in node_config:
+        folder = Path(str(node_config["data-path"])).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ClientSetupError(f"node-config data-path '{folder}' cannot be used: {err}") from None
+        os.environ["POSTCARD_CACHE"] = str(folder)
+    changes = {}
+    if "model-path" in node_config:
+        path = Path(str(node_config["model-path"])).expanduser()
+        if cfg.model.kind != "causal_lm":
+            raise ClientSetupError(f"node-config model-path applies to causal LMs; model '{cfg.model.name}' "
+                                   f"is {cfg.model.kind}")
+        if not (path / "config.json").is_file():
+            raise ClientSetupError(f"node-config model-path '{path}' is not a HF checkpoint folder (no config.json)")
+        changes["model.path"] = str(path)
+    if "device" in node_config:
+        changes["train.device"] = str(node_config["device"])
+    if not changes:
+        return cfg
+    view = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_struct(view, False)
+    for key, value in changes.items():
+        OmegaConf.update(view, key, value, force_add=True)
+    OmegaConf.set_struct(view, True)
+    return view
+
+
 @dataclass
 class Session:
     cfg: object
@@ -60,6 +115,7 @@ class Session:
     tokenizer: object
     task: object
     extra: dict = field(default_factory=dict)
+    device: object = None  # torch.device the model and batches live on
 
 
 _MODELS: dict[str, tuple] = {}
@@ -73,20 +129,27 @@ def session(cfg, context: Context, prepare: Callable[[object], tuple]) -> Sessio
     process: one Ray actor serves several simulated nodes in turn, and every message
     loads the node's federated state into the model before using it, so nodes share
     the model but never each other's weights. Per-node state that must survive between
-    rounds belongs in ``context.state``.
+    rounds belongs in ``context.state``. The model is moved once to the node's device
+    (``train.device`` / node-config ``device``; CUDA when present) and the task's batches
+    follow it; algorithm code that builds tensors itself should put them on ``device``.
     """
     from clients.tasks import make_task
+    from clients.train import place_model, place_task, select_device
 
+    cfg = node_view(cfg, context)
     pid, n = partition_of(context, cfg)
     run_key = hashlib.sha256(str(cfg).encode()).hexdigest()
     if run_key not in _MODELS:
         _MODELS.clear()  # one run per process at a time: free the previous model
         _TASKS.clear()
-        _MODELS[run_key] = prepare(cfg)
-    model, tokenizer, extra = _MODELS[run_key]
+        device = select_device(cfg.train.get("device", "auto"))
+        model, tokenizer, extra = prepare(cfg)
+        model = place_model(model, device, bf16=bool(cfg.train.get("bf16", True)))  # moved once per process
+        _MODELS[run_key] = (model, tokenizer, extra, device)
+    model, tokenizer, extra, device = _MODELS[run_key]
     if (run_key, pid, n) not in _TASKS:
-        _TASKS[(run_key, pid, n)] = make_task(cfg, pid, n, tokenizer)
-    return Session(cfg, pid, n, model, tokenizer, _TASKS[(run_key, pid, n)], extra)
+        _TASKS[(run_key, pid, n)] = place_task(make_task(cfg, pid, n, tokenizer), device)
+    return Session(cfg, pid, n, model, tokenizer, _TASKS[(run_key, pid, n)], extra, device)
 
 
 def reply(msg: Message, metrics: dict, arrays=None) -> Message:

@@ -15,6 +15,11 @@ expert deltas). :class:`PayloadFedAvg` owns what they share:
 
 Subclasses change what a round sends (``train_config_for``) or how replies combine
 (``aggregate_payloads``); numpy only, no model code.
+
+Checkpoints: :meth:`PayloadFedAvg.state_dict` returns what the server needs to continue a
+run (the global state and the round history); :meth:`load_state_dict` restores it. A
+subclass that keeps more server state between rounds (optimiser moments, a pool) extends
+both. The runner writes them every round and reloads them on ``resume``.
 """
 
 from __future__ import annotations
@@ -117,7 +122,40 @@ class PayloadFedAvg(FedAvg):
 
     def _start_round(self, server_round: int) -> None:
         if self._round.get("round") != server_round:
-            self._round = {"round": server_round, "t_start": time.time(), "clients": {}, "refused": []}
+            self._round = {"round": server_round, "t_start": time.time(), "clients": {}, "refused": [],
+                           "missing": []}
+
+    def record_missing(self, server_round: int, node_id: int, phase: str, reason: str) -> None:
+        """A node that was sent a message but gave no reply (dead, unreachable or too slow).
+
+        Logged and kept in the round's record (``missing``); the node gets the run's
+        configuration again with its next message, in case it comes back as a new process.
+        """
+        self._start_round(server_round)
+        log(WARNING, "round %s: no %s reply from node %s: %s", server_round, phase, node_id, reason)
+        self._round["missing"].append({"node_id": int(node_id), "phase": phase, "reason": reason})
+        self.configured_nodes.discard(int(node_id))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, JSON-able metadata) that let a new server process continue this run."""
+        return {k: v.copy() for k, v in self.global_state.items()}, {"history": list(self.history)}
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
+        """Restore :meth:`state_dict`'s output; the layout (keys, shapes) must be this strategy's."""
+        expected = {k: v.shape for k, v in self.global_state.items()}
+        got = {k: tuple(np.shape(v)) for k, v in arrays.items()}
+        if set(got) != set(expected):
+            extra, missing = sorted(set(got) - set(expected))[:3], sorted(set(expected) - set(got))[:3]
+            raise ValueError(f"the checkpoint's tensors do not match this run's layout "
+                             f"(unexpected {extra}, missing {missing})")
+        for key, shape in expected.items():
+            if got[key] != tuple(shape):
+                raise ValueError(f"checkpoint tensor '{key}' has shape {got[key]}, this run expects {tuple(shape)}")
+        self.global_state = {k: np.asarray(arrays[k], dtype=np.float32).copy() for k in expected}
+        self.history = list(meta.get("history", []))
+        self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
+        self._round = {}
 
     def _client(self, node_id: int) -> dict:
         return self._round["clients"].setdefault(str(node_id), {"node_id": int(node_id)})
@@ -205,6 +243,8 @@ class PayloadFedAvg(FedAvg):
     def _refuse_errors(self, server_round: int, valid: list, errors: list, phase: str) -> None:
         for msg in errors:
             self._refuse(msg.metadata.src_node_id, f"client error during {phase}: {msg.error.reason}")
+            # e.g. a restarted SuperNode that lost the run's configuration: send it again next time
+            self.configured_nodes.discard(int(msg.metadata.src_node_id))
         if errors and not valid:
             raise ClientsFailed(
                 f"round {server_round}: every client failed during {phase}; first error: {errors[0].error.reason}"

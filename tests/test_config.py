@@ -52,8 +52,8 @@ def test_run_config_maps_to_groups_and_overrides():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(algorithm="fedsgd"), "valid choices: fedavg-full, fedavg-lora, fedprox, ffa-lora"),
-        (dict(task="imagenet"), "valid choices: cifar10, fmnist, mmlu, shakespeare"),
+        (dict(algorithm="fedsgd"), "unknown algorithm .fedsgd.; valid choices: .*fedavg-lora.*fedprox.*ffa-lora"),
+        (dict(task="imagenet"), "unknown task .imagenet.; valid choices: cifar10, fmnist, mmlu, .*shakespeare"),
         (dict(overrides="model=gpt5"), "unknown model 'gpt5'"),
         (dict(overrides="train.lrr=1"), "train.lrr"),
         (dict(overrides="rounds=abc"), "rounds must be an integer"),
@@ -64,7 +64,7 @@ def test_run_config_maps_to_groups_and_overrides():
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
     overrides = kwargs.pop("overrides", "")
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=message):
         compose(overrides, **kwargs)
 
 

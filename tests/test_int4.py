@@ -50,6 +50,21 @@ def test_error_bound_holds_across_many_random_vectors():
         np.testing.assert_array_equal(int4_roundtrip(x), y)
 
 
+def test_stochastic_rounding_is_unbiased_and_within_one_step():
+    x = latents(1280, seed=4)
+    step = int4_step(x)
+    rng = np.random.default_rng(0)
+    decoded = np.stack([unpack_int4(pack_int4(x, rng=rng), 1280) for _ in range(400)])
+    assert len(pack_int4(x, rng=rng)) == 648
+    assert float(np.abs(decoded - x).max()) < step * (1 + 1e-6)
+    # Each mean of 400 draws is within ~4 standard errors (<= step/2/sqrt(400)) of x.
+    assert float(np.abs(decoded.mean(0) - x).max()) < 4 * (step / 2) / np.sqrt(400) + 1e-7
+    # Round to nearest is biased on the same values; stochastic rounding is not.
+    nearest = unpack_int4(pack_int4(x), 1280)
+    assert float(np.abs(decoded.mean(0) - x).mean()) < 0.5 * float(np.abs(nearest - x).mean())
+    np.testing.assert_array_equal(unpack_int4(pack_int4(np.full(5, 2.0, np.float32), rng=rng), 5), 2.0)
+
+
 def test_nibbles_are_packed_low_first():
     x = np.arange(16, dtype=np.float32)  # min 0, max 15: scale 1, levels = values
     data = pack_int4(x)

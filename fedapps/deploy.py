@@ -1,0 +1,577 @@
+"""Deployment helpers: TLS certificates, SuperNode keys and a loopback cluster run by pid.
+
+The same app that ``flwr run .`` simulates runs unchanged on a real SuperLink with real
+SuperNodes. This module holds what that needs besides Flower itself:
+
+* :func:`make_certificates` — a private CA and a server certificate for the SuperLink
+  (its host names / IPs as SANs), written with the ``cryptography`` package;
+* :func:`make_node_keys` — one EC (P-384) key pair per SuperNode in OpenSSH format, the
+  format ``flower-supernode --auth-supernode-private-key`` and
+  ``flwr supernode register`` expect;
+* :class:`LoopbackCluster` — a ``flower-superlink`` with TLS and SuperNode authentication
+  plus N ``flower-supernode`` processes on 127.0.0.1, each with its own ``FLWR_HOME``,
+  its own log file and its own partition, driven through the ``flwr`` CLI exactly as a
+  user would; every process is started here and stopped here by its process id.
+
+Command line (``make deploy-local`` calls the last one)::
+
+    python -m fedapps.deploy certs DIR [--host superlink.example.org --host 10.0.0.5]
+    python -m fedapps.deploy node-keys DIR --nodes 3
+    python -m fedapps.deploy register KEY.pub... --superlink HOST:PORT --root-certificates ca.crt
+    python -m fedapps.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent  # the app folder (pyproject.toml)
+CONNECTION = "postcard-local"  # name of the SuperLink connection in the CLI's config.toml
+LOOPBACK = "127.0.0.1"
+
+# file names inside a certificate folder (the same names the docker/ files use)
+CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.pem", "server.key"
+# what `python -m fedapps.deploy local` runs by default: the tiny Llama, one client per node, 2 short rounds
+LOCAL_RUN_CONFIG = "preset='test' overrides='num_clients={nodes} rounds=2 train.local_steps=4'"
+
+
+class DeployError(RuntimeError):
+    """A cluster process failed to start or a CLI call failed; the message names its log."""
+
+
+# ---------------------------------------------------------------------------- certificates
+def make_certificates(folder: str | Path, hosts: list[str] | tuple[str, ...] = ("localhost", LOOPBACK),
+                      days: int = 365) -> dict[str, Path]:
+    """A private CA (``ca.crt``/``ca.key``) and a SuperLink certificate (``server.pem``/``server.key``).
+
+    ``hosts`` are the names and IP addresses SuperNodes and the ``flwr`` CLI use to reach
+    the SuperLink; each becomes a subjectAltName (TLS checks the address against them).
+    Keys are unencrypted PEM, readable by the owner only. Returns the four paths.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if not hosts:
+        raise ValueError("at least one host name or IP address is needed for the certificate")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # tolerate small clock skew
+    until = now + dt.timedelta(days=int(days))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Postcard"),
+                         x509.NameAttribute(NameOID.COMMON_NAME, "Postcard federation CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(until)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Postcard"),
+                                 x509.NameAttribute(NameOID.COMMON_NAME, str(hosts[0]))]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(until)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def key_pem(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    paths = {name: folder / name for name in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY)}
+    _write(paths[CA_CERT], ca_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(paths[CA_KEY], key_pem(ca_key), private=True)
+    _write(paths[SERVER_CERT], server_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(paths[SERVER_KEY], key_pem(server_key), private=True)
+    return paths
+
+
+def make_node_keys(folder: str | Path, nodes: int, prefix: str = "supernode") -> list[tuple[Path, Path]]:
+    """``nodes`` EC P-384 key pairs in OpenSSH format: ``<prefix>-<i>`` and ``<prefix>-<i>.pub``.
+
+    The private key stays on the SuperNode (``--auth-supernode-private-key``); the public
+    key is registered on the SuperLink with ``flwr supernode register <key>.pub <connection>``.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for i in range(int(nodes)):
+        key = ec.generate_private_key(ec.SECP384R1())
+        private = folder / f"{prefix}-{i}"
+        public = folder / f"{prefix}-{i}.pub"
+        _write(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()), private=True)
+        _write(public, key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                     serialization.PublicFormat.OpenSSH) + b"\n", private=False)
+        pairs.append((private, public))
+    return pairs
+
+
+def _write(path: Path, data: bytes, *, private: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+# ---------------------------------------------------------------------------- registration
+def write_connection(flwr_home: str | Path, address: str, root_certificates: str | Path,
+                     name: str = CONNECTION) -> Path:
+    """``$FLWR_HOME/config.toml`` with one TLS connection ``name`` (the default) to ``address``."""
+    flwr_home = Path(flwr_home)
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    path = flwr_home / "config.toml"
+    path.write_text(
+        "[superlink]\n"
+        f'default = "{name}"\n\n'
+        f"[superlink.{name}]\n"
+        f'address = "{address}"\n'
+        f'root-certificates = "{Path(root_certificates).resolve()}"\n'
+    )
+    return path
+
+
+def register_keys(flwr_home: str | Path, public_keys: list[str | Path], *, connection: str = CONNECTION,
+                  retry_for: float = 0.0) -> dict[str, str]:
+    """``flwr supernode register`` each public key; returns {key path: node id or 'already registered'}.
+
+    A key the SuperLink already knows counts as registered (so this can run at every
+    start). With ``retry_for`` > 0, connection failures are retried that long (a SuperLink
+    that is still starting).
+    """
+    done: dict[str, str] = {}
+    for key in public_keys:
+        deadline = time.time() + retry_for
+        while True:
+            proc = subprocess.run(
+                [executable("flwr"), "supernode", "register", str(key), connection, "--format", "json"],
+                env=flower_env(Path(flwr_home)), capture_output=True, text=True, timeout=120,
+            )
+            text = proc.stdout + proc.stderr
+            if proc.returncode == 0:
+                done[str(key)] = str(_json_tail(proc.stdout)["node-id"])
+                break
+            if "already in use" in text:
+                done[str(key)] = "already registered"
+                break
+            if time.time() >= deadline:
+                raise DeployError(f"`flwr supernode register {key} {connection}` failed: {text.strip()[-1500:]}")
+            time.sleep(2.0)
+    return done
+
+
+# ---------------------------------------------------------------------------- processes
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def kill_tree(pid: int, timeout: float = 15.0) -> list[int]:
+    """Kill a process and all its descendants (children first), by process id."""
+    try:
+        root = psutil.Process(pid)
+        family = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return []
+    killed = []
+    for member in family:
+        try:
+            member.kill()
+            killed.append(member.pid)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=timeout)
+    return killed
+
+
+def flower_env(flwr_home: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of every cluster process: this venv first, offline, no runtime installs."""
+    env = dict(os.environ)
+    env.update({
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
+    env.update(extra)
+    return env
+
+
+def executable(name: str) -> str:
+    path = shutil.which(name, path=flower_env()["PATH"])
+    if path is None:
+        raise DeployError(f"'{name}' is not installed in {Path(sys.executable).parent}; run `make venv`")
+    return path
+
+
+@dataclass
+class Node:
+    index: int
+    key: Path
+    public_key: Path
+    port: int
+    home: Path
+    log: Path
+    node_config: str
+    proc: subprocess.Popen | None = None
+
+
+@dataclass
+class LoopbackCluster:
+    """A SuperLink (TLS + SuperNode authentication) and SuperNodes on 127.0.0.1, by pid.
+
+    ``folder`` receives everything: ``certs/``, ``keys/``, ``superlink/`` (the SuperLink's
+    working directory, database and ``FLWR_HOME``), ``cli/`` (the ``flwr`` CLI's
+    ``FLWR_HOME`` with the connection ``postcard-local``), ``node-<i>/`` (each SuperNode's
+    ``FLWR_HOME``) and ``logs/``. Use it as a context manager, or call :meth:`stop`.
+    """
+
+    folder: Path
+    nodes: int = 3
+    node_config: str = ""  # extra node-config entries for every node, e.g. "device='cpu'"
+    port: int = 0
+    superlink: subprocess.Popen | None = None
+    members: list[Node] = field(default_factory=list)
+    registered: dict[int, str] = field(default_factory=dict)  # node index -> SuperLink node id
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.folder).resolve()
+        for name in ("superlink", "cli", "logs"):
+            (self.folder / name).mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.certs = make_certificates(self.folder / "certs", hosts=("localhost", LOOPBACK))
+        self.cli_home = self.folder / "cli"
+        self._write_connection()
+        for i, (key, pub) in enumerate(make_node_keys(self.folder / "keys", self.nodes)):
+            config = f"partition-id={i} num-partitions={self.nodes} {self.node_config}".strip()
+            self.members.append(Node(i, key, pub, free_port(), self.folder / f"node-{i}",
+                                     self.folder / "logs" / f"supernode-{i}.log", config))
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> LoopbackCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def _write_connection(self) -> None:
+        write_connection(self.cli_home, self.address, self.certs[CA_CERT])
+
+    def start_superlink(self, wait: float = 60.0) -> None:
+        """Start (or restart, same database and port) the SuperLink and wait for its port."""
+        if self.superlink is not None and self.superlink.poll() is None:
+            raise DeployError("the SuperLink is already running")
+        home = self.folder / "superlink"
+        log = open(self.folder / "logs" / "superlink.log", "a")
+        cmd = [
+            executable("flower-superlink"),
+            "--ssl-ca-certfile", str(self.certs[CA_CERT]),
+            "--ssl-certfile", str(self.certs[SERVER_CERT]),
+            "--ssl-keyfile", str(self.certs[SERVER_KEY]),
+            "--enable-supernode-auth",
+            "--host", LOOPBACK, "--port", str(self.port),
+            "--database", str(home / "state.db"),
+            "--disable-runtime-dependency-installation",
+        ]
+        # the ServerApp runs in the SuperLink's working directory (run folders use absolute paths anyway)
+        self.superlink = subprocess.Popen(cmd, cwd=home, env=flower_env(home), stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        log.close()
+        self._wait_port(self.superlink, self.port, wait, self.folder / "logs" / "superlink.log")
+
+    def register_nodes(self) -> dict[int, str]:
+        """Register every node's public key (``flwr supernode register``); returns index -> node id."""
+        for node in self.members:
+            if node.index not in self.registered:
+                ids = register_keys(self.cli_home, [node.public_key])
+                self.registered[node.index] = ids[str(node.public_key)]
+        return dict(self.registered)
+
+    def spawn_supernode(self, key: Path, port: int, node_config: str, home: Path, log: Path) -> subprocess.Popen:
+        """Start one ``flower-supernode`` (TLS, authenticated with ``key``); returns its process."""
+        home.mkdir(parents=True, exist_ok=True)
+        handle = open(log, "a")
+        cmd = [
+            executable("flower-supernode"),
+            "--superlink", self.address,
+            "--root-certificates", str(self.certs[CA_CERT]),
+            "--auth-supernode-private-key", str(key),
+            "--node-config", node_config,
+            "--host", LOOPBACK, "--port", str(port),
+        ]
+        proc = subprocess.Popen(cmd, cwd=home, env=flower_env(home), stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        handle.close()
+        return proc
+
+    def start_supernode(self, index: int, wait: float = 60.0) -> Node:
+        """Start SuperNode ``index`` with its registered key and its partition."""
+        node = self.members[index]
+        if node.proc is not None and node.proc.poll() is None:
+            raise DeployError(f"SuperNode {index} is already running")
+        node.proc = self.spawn_supernode(node.key, node.port, node.node_config, node.home, node.log)
+        self._wait_port(node.proc, node.port, wait, node.log)
+        return node
+
+    def clientapp_pids(self, index: int) -> list[int]:
+        """Process ids of the ClientApps SuperNode ``index`` is running right now."""
+        node = self.members[index]
+        if node.proc is None:
+            return []
+        try:
+            children = psutil.Process(node.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        pids = []
+        for child in children:
+            try:
+                if any("flwr-clientapp" in part for part in child.cmdline()):
+                    pids.append(child.pid)
+            except psutil.NoSuchProcess:
+                continue
+        return pids
+
+    def start(self) -> LoopbackCluster:
+        """SuperLink, key registration, then every SuperNode, waiting until all are online."""
+        self.start_superlink()
+        self.register_nodes()
+        for node in self.members:
+            self.start_supernode(node.index)
+        self.wait_online(len(self.members))
+        return self
+
+    def wait_online(self, count: int, timeout: float = 120.0) -> list[str]:
+        """Wait until ``count`` SuperNodes are online; returns their node ids."""
+        deadline = time.time() + timeout
+        online: list[str] = []
+        while time.time() < deadline:
+            online = self.online_nodes()
+            if len(online) >= count:
+                return online
+            time.sleep(1.0)
+        raise DeployError(f"{len(online)} of {count} SuperNodes online after {timeout:.0f} s; "
+                          f"see the logs in {self.folder / 'logs'}")
+
+    def online_nodes(self) -> list[str]:
+        out = self.cli(["supernode", "list", CONNECTION, "--format", "json"])
+        return [n["node-id"] for n in _json_tail(out).get("nodes", []) if n.get("status") == "online"]
+
+    def kill_supernode(self, index: int) -> list[int]:
+        node = self.members[index]
+        pids = kill_tree(node.proc.pid) if node.proc is not None else []
+        node.proc = None
+        return pids
+
+    def kill_superlink(self) -> list[int]:
+        pids = kill_tree(self.superlink.pid) if self.superlink is not None else []
+        self.superlink = None
+        return pids
+
+    def stop(self) -> list[int]:
+        """Kill every process this cluster started (SuperNodes first), by pid."""
+        pids = []
+        for node in self.members:
+            pids += self.kill_supernode(node.index)
+        pids += self.kill_superlink()
+        return pids
+
+    # ------------------------------------------------------------------ the CLI
+    def cli(self, args: list[str], timeout: float = 120.0) -> str:
+        """Run ``flwr <args>`` against this cluster; returns stdout, raises DeployError on failure."""
+        proc = subprocess.run([executable("flwr"), *args], env=flower_env(self.cli_home), cwd=self.folder,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise DeployError(f"`flwr {' '.join(args)}` failed ({proc.returncode}): "
+                              f"{(proc.stdout + proc.stderr).strip()[-2000:]}")
+        return proc.stdout
+
+    def run(self, run_config: str, *, app: str | Path = ROOT, timeout: float = 900.0,
+            log_file: Path | None = None) -> subprocess.CompletedProcess:
+        """``flwr run <app> postcard-local --stream --run-config <run_config>`` (waits for the end)."""
+        cmd = [executable("flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
+        proc = subprocess.run(cmd, env=flower_env(self.cli_home), cwd=self.folder, capture_output=True,
+                              text=True, timeout=timeout)
+        if log_file is not None:
+            Path(log_file).write_text(proc.stdout + proc.stderr)
+        return proc
+
+    def submit(self, run_config: str, *, app: str | Path = ROOT, log_file: Path) -> subprocess.Popen:
+        """Start ``flwr run ... --stream`` in the background (its output goes to ``log_file``)."""
+        cmd = [executable("flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
+        handle = open(log_file, "w")
+        proc = subprocess.Popen(cmd, env=flower_env(self.cli_home), cwd=self.folder, stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        handle.close()
+        return proc
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _wait_port(proc: subprocess.Popen, port: int, timeout: float, log: Path) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise DeployError(f"process exited with code {proc.returncode} while starting; "
+                                  f"last lines of {log}:\n{_tail(log)}")
+            if port_open(LOOPBACK, port):
+                return
+            time.sleep(0.3)
+        raise DeployError(f"port {port} did not open within {timeout:.0f} s; see {log}")
+
+
+def _json_tail(text: str) -> dict:
+    """The JSON object a ``flwr ... --format json`` call prints (after any log lines)."""
+    start = text.find("{")
+    if start < 0:
+        raise DeployError(f"no JSON in the CLI output: {text[-500:]}")
+    return json.loads(text[start:])
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------- make deploy-local
+def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = None, keep: bool = False) -> int:
+    """Start a loopback cluster, ``flwr run`` the app through it, stop everything by pid.
+
+    Cluster files (certificates, keys, databases, logs) go to ``folder`` (default: a new
+    temporary folder, removed after a successful run unless ``keep``); run folders go to
+    ``outputs``.
+    """
+    base = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="postcard-deploy-"))
+    outputs = Path(outputs).resolve()
+    config = f"{run_config} output-dir='{outputs}'".strip()
+    print(f"[deploy] cluster folder: {base}", flush=True)
+    t0 = time.time()
+    with LoopbackCluster(base, nodes=nodes) as cluster:
+        cluster.start()
+        print(f"[deploy] SuperLink {cluster.address} (TLS, SuperNode authentication) with {nodes} registered "
+              f"SuperNodes online after {time.time() - t0:.0f} s", flush=True)
+        print(f'[deploy] flwr run . {CONNECTION} --stream --run-config "{config}"', flush=True)
+        proc = cluster.run(config, log_file=base / "logs" / "flwr-run.log")
+        print((proc.stdout + proc.stderr)[-8000:], flush=True)
+    print(f"[deploy] every process stopped; `flwr run` exited with {proc.returncode} after {time.time() - t0:.0f} s",
+          flush=True)
+    if proc.returncode == 0 and folder is None and not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    else:
+        print(f"[deploy] logs: {base / 'logs'}", flush=True)
+    return proc.returncode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fedapps.deploy", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    certs = sub.add_parser("certs", help="a CA and a SuperLink certificate (ca.crt, server.pem, server.key)")
+    certs.add_argument("folder")
+    certs.add_argument("--host", action="append", default=None,
+                       help="a name or IP the SuperLink is reached at (repeat; default localhost and 127.0.0.1)")
+    certs.add_argument("--days", type=int, default=365)
+    keys = sub.add_parser("node-keys", help="SuperNode authentication key pairs (OpenSSH EC P-384)")
+    keys.add_argument("folder")
+    keys.add_argument("--nodes", type=int, required=True)
+    register = sub.add_parser("register", help="register SuperNode public keys with a SuperLink (idempotent)")
+    register.add_argument("public_keys", nargs="+")
+    register.add_argument("--superlink", required=True, help="host:port of the SuperLink")
+    register.add_argument("--root-certificates", required=True, help="the CA certificate (ca.crt)")
+    register.add_argument("--retry-for", type=float, default=120.0, help="seconds to retry while it starts")
+    local = sub.add_parser("local", help="a loopback cluster with TLS and node auth, one `flwr run`, then stop")
+    local.add_argument("--nodes", type=int, default=3)
+    local.add_argument("--run-config", default=None,
+                       help="the --run-config of `flwr run` (output-dir is added); default: "
+                            + LOCAL_RUN_CONFIG.replace("{nodes}", "<nodes>").replace("%", "%%"))
+    local.add_argument("--outputs", default="outputs", help="where run folders go (default ./outputs)")
+    local.add_argument("--dir", default=None,
+                       help="cluster folder: certificates, keys, databases, logs (default: temporary)")
+    local.add_argument("--keep", action="store_true", help="keep the temporary cluster folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "certs":
+        paths = make_certificates(args.folder, hosts=args.host or ("localhost", LOOPBACK), days=args.days)
+        print("\n".join(str(p) for p in paths.values()))
+    elif args.command == "node-keys":
+        for private, public in make_node_keys(args.folder, args.nodes):
+            print(f"{private}  {public}")
+    elif args.command == "register":
+        home = Path(tempfile.mkdtemp(prefix="postcard-register-"))
+        try:
+            write_connection(home, args.superlink, args.root_certificates)
+            for key, node_id in register_keys(home, args.public_keys, retry_for=args.retry_for).items():
+                print(f"{key}: {node_id}")
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+    else:
+        run_config = args.run_config if args.run_config is not None else LOCAL_RUN_CONFIG.format(nodes=args.nodes)
+        return run_local(args.nodes, run_config, Path(args.outputs), Path(args.dir) if args.dir else None, args.keep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
