@@ -9,7 +9,8 @@ A tensor of ``n`` float32 values becomes ``(n + 1) // 2 + 8`` bytes::
 
 Each value is quantised to the nearest of the 16 levels ``zero + q·scale``, ``q = 0..15``
 (round to nearest, ties to even), so the round-trip error is at most half a step
-(``scale / 2``, plus the rounding of the fp32 result). A constant tensor has scale 0 and
+(``scale / 2``, plus the rounding of the fp32 result); ``pack_int4(x, rng)`` rounds
+stochastically instead (unbiased, error below one step). A constant tensor has scale 0 and
 decodes exactly. 1,280 latents -> 640 + 8 = 648 bytes.
 """
 
@@ -57,11 +58,12 @@ def int4_step(x) -> float:
     return float(_scale_zero(_check_input(x))[0])
 
 
-def _quantise(arr: np.ndarray, scale: np.float32, zero: np.float32) -> np.ndarray:
+def _quantise(arr: np.ndarray, scale: np.float32, zero: np.float32, rng: np.random.Generator | None = None) -> np.ndarray:
     if scale == 0:
         return np.zeros(arr.shape, dtype=np.uint8)
     t = (arr.astype(np.float64) - float(zero)) / float(scale)
-    return np.clip(np.rint(t), 0, LEVELS - 1).astype(np.uint8)
+    q = np.rint(t) if rng is None else np.floor(t + rng.random(t.shape))
+    return np.clip(q, 0, LEVELS - 1).astype(np.uint8)
 
 
 def _dequantise(q: np.ndarray, scale: float, zero: float) -> np.ndarray:
@@ -70,14 +72,20 @@ def _dequantise(q: np.ndarray, scale: float, zero: float) -> np.ndarray:
     return np.clip(out, -_F32_MAX, _F32_MAX).astype(np.float32)
 
 
-def pack_int4(x) -> bytes:
+def pack_int4(x, rng: np.random.Generator | None = None) -> bytes:
     """1-D float32 vector -> packed nibbles + fp32 scale + fp32 zero point (little-endian).
+
+    Round to nearest by default (error <= half a step). With ``rng``, stochastic rounding
+    instead: each value goes to one of its two neighbouring levels with probabilities
+    that make the decoded value unbiased (error < one step) — useful when many quantised
+    updates are averaged, e.g. latent *updates* over clients and rounds. The bytes have
+    the same format either way.
 
     Raises ``ValueError`` for NaN/Inf, non-numeric or non-1-D input.
     """
     arr = _check_input(x)
     scale, zero = _scale_zero(arr)
-    q = _quantise(arr, scale, zero)
+    q = _quantise(arr, scale, zero, rng)
     if q.size % 2:
         q = np.concatenate([q, np.zeros(1, dtype=np.uint8)])
     packed = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
