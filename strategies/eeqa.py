@@ -13,8 +13,12 @@ importance ``s_{m,e} >= 0`` (clients' EMA of gate mass × expert output norm, av
 the server; NaN = nobody measured ``e`` this round, e.g. it was inactive).
 
 1. **Memory.** ``I_{m,e} <- s_{m,e}`` where measured, else the last measured value. An
-   expert never measured is imputed with the mean measured importance of its matrix, else
-   of all matrices, else 1 (so round 0 shares the budget in proportion to matrix sizes).
+   expert never measured is imputed with ``w ·`` the mean measured importance of its
+   matrix, else of all matrices, else ``w · 1`` (so round 0 shares the budget in
+   proportion to matrix sizes). ``w = unmeasured_weight``: 1 (default) is neutral — a
+   measured expert below its matrix's mean then gives way to an unmeasured one, which
+   explores the pool quickly but replaces part of the active set every round; ``w < 1``
+   keeps experts that were measured (and trained) unless they fall below ``w`` × the mean.
 2. **Pruning** (off when ``prune_threshold == 0``). An expert is *low* in a round when it is
    measured and ``s_{m,e} < prune_threshold · mean_{e' measured in m} s_{m,e'}`` (relative
    to its peers, so the threshold is scale-free across matrices). A counter of consecutive
@@ -190,6 +194,8 @@ class EEQA:
         max_per_matrix: ``q_max`` (int, or per matrix); default: the matrix's expert count.
         prune_threshold: relative threshold of step 2 (0 disables pruning).
         prune_patience: ``P``, consecutive low rounds before an expert is pruned.
+        unmeasured_weight: ``w`` of step 1, the imputed importance of never-measured experts
+            relative to the mean measured one (> 0).
     """
 
     def __init__(
@@ -201,6 +207,7 @@ class EEQA:
         max_per_matrix: IntPerMatrix | None = None,
         prune_threshold: float = 0.0,
         prune_patience: int = 3,
+        unmeasured_weight: float = 1.0,
     ):
         if not num_experts:
             raise ValueError("EEQA needs at least one matrix")
@@ -212,6 +219,9 @@ class EEQA:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if prune_threshold < 0 or prune_patience < 1:
             raise ValueError("prune_threshold must be >= 0 and prune_patience >= 1")
+        if not (math.isfinite(unmeasured_weight) and unmeasured_weight > 0):
+            raise ValueError(f"unmeasured_weight must be > 0, got {unmeasured_weight}")
+        self.unmeasured_weight = float(unmeasured_weight)
         self.budget = int(budget)
         self.min_per_matrix = _per_matrix(min_per_matrix, self.names, {m: 1 for m in self.names})
         self.max_per_matrix = _per_matrix(max_per_matrix, self.names, self.num_experts)
@@ -237,7 +247,7 @@ class EEQA:
         out = {}
         for m, v in self.memory.items():
             known = v[np.isfinite(v)]
-            fill = float(known.mean()) if known.size else fallback
+            fill = self.unmeasured_weight * (float(known.mean()) if known.size else fallback)
             out[m] = np.where(np.isfinite(v), v, fill)
         return out
 

@@ -31,6 +31,9 @@ router (the seed's SmartFed); ``"router-only"`` freezes the experts and trains t
 Importance (for EEQA): during training, each forward updates per active expert an EMA of
 ``mean_tokens ‖g_i(x) E_i(x)‖ = mean_t |g_ti (A_i x_t)| · ‖B_i‖`` — gate mass × expert
 output norm, from tensors the forward already has. :func:`importance_state` reports it.
+A *training forward* is one in train mode or with gradients enabled (``clients.train``
+trains in eval mode, to keep dropout off); evaluation under ``torch.no_grad()`` in eval
+mode measures nothing.
 
 State exchange uses the packed form of :mod:`strategies.sparse`
 (``<matrix>/ids``, ``/router``, ``/A``, ``/B``, ``/importance``): :func:`active_state`,
@@ -68,6 +71,7 @@ __all__ = [
     "importance_state",
     "load_active_state",
     "more_modules",
+    "remove_more",
     "split_adapter",
     "split_lora",
 ]
@@ -247,7 +251,7 @@ class MoRELinear(nn.Module):
         A = self.expert_A.index_select(0, self.active_idx).to(xf.dtype)  # (n, d_in)
         B = self.expert_B.index_select(1, self.active_idx).to(xf.dtype)  # (d_out, n)
         z = (xf @ A.t()) * self.gates(xf).to(xf.dtype)  # (T, n): g_i(x) A_i x
-        if self.training:
+        if self.training or torch.is_grad_enabled():  # a training forward (see the module docstring)
             self._track_importance(z, B)
         mixture = z @ B.t()
         return y + mixture.reshape(*x.shape[:-1], self.out_features).to(y.dtype)
@@ -342,6 +346,18 @@ def apply_more(
         if config.active is not None and name in config.active:
             layer.set_active(config.active[name])
         _replace(model, name, layer)
+    return model
+
+
+def remove_more(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_more` (in place): every MoRE layer gives its frozen base layer back.
+
+    A model without MoRE layers is returned unchanged. Lets a client that receives a new
+    mixture each round (its active experts only) rebuild the layers on the same backbone.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoRELinear):
+            _replace(model, name, module.base_layer)
     return model
 
 

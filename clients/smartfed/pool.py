@@ -441,25 +441,45 @@ class Pool:
             self._experts[name] = experts
         return self._experts[name]
 
-    def targets(self) -> list[str]:
-        """Every target matrix that at least one pooled adapter updates, sorted."""
-        return sorted({m for n in self.names() for m in self.experts(n)})
+    def _adapters(self, adapters: Iterable[str] | None) -> list[str]:
+        if adapters is None:
+            return self.names()
+        chosen = sorted(set(adapters))
+        missing = [n for n in chosen if n not in self]
+        if missing:
+            raise KeyError(f"the pool has no adapter(s) {missing} (it has {self.names()})")
+        return chosen
 
-    def experts_for(self, target_module_name: str) -> ExpertSet:
-        """The expert set of one matrix: the union of all pooled adapters that target it."""
-        sets = [e[target_module_name] for n in self.names() if target_module_name in (e := self.experts(n))]
+    def targets(self, adapters: Iterable[str] | None = None) -> list[str]:
+        """Every target matrix that at least one pooled (or given) adapter updates, sorted."""
+        return sorted({m for n in self._adapters(adapters) for m in self.experts(n)})
+
+    def experts_for(self, target_module_name: str, adapters: Iterable[str] | None = None) -> ExpertSet:
+        """The expert set of one matrix: the union of all pooled (or the given) adapters that target it."""
+        names = self._adapters(adapters)
+        sets = [e[target_module_name] for n in names if target_module_name in (e := self.experts(n))]
         if not sets:
-            raise KeyError(f"no pooled adapter targets '{target_module_name}' (targets: {self.targets()})")
+            raise KeyError(f"no pooled adapter targets '{target_module_name}' (targets: {self.targets(names)})")
         return ExpertSet.concat(sets)
 
-    def load_experts(self, backbone_fingerprint: str, targets: Iterable[str] | None = None) -> dict[str, ExpertSet]:
-        """Expert sets of every (or the given) target matrix, for a model of that backbone."""
+    def load_experts(
+        self,
+        backbone_fingerprint: str,
+        targets: Iterable[str] | None = None,
+        adapters: Iterable[str] | None = None,
+    ) -> dict[str, ExpertSet]:
+        """Expert sets of every (or the given) target matrix, for a model of that backbone.
+
+        ``adapters`` restricts the experts to those pooled adapters (default: all).
+        """
         if backbone_fingerprint != self.fingerprint:
             raise PoolError(
                 f"pool {self.path} holds adapters for backbone {self.fingerprint}, "
                 f"not for the requested {backbone_fingerprint}"
             )
-        return {m: self.experts_for(m) for m in (sorted(targets) if targets is not None else self.targets())}
+        names = self._adapters(adapters)
+        chosen = sorted(targets) if targets is not None else self.targets(names)
+        return {m: self.experts_for(m, names) for m in chosen}
 
 
 # ----------------------------------------------------------------------------------- CLI

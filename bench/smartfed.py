@@ -1,0 +1,375 @@
+"""SmartFed vs FedAvg-LoRA from scratch on a task the knowledge pool has not seen.
+
+    .venv/bin/python bench/smartfed.py                       # SmolLM2, ~30-45 min on 2 cores
+    .venv/bin/python bench/smartfed.py --model tiny-llama --rounds 2 --steps 2 --pool-rounds 1 \
+        --pool-steps 2 --out /tmp/bench-smoke                  # a smoke test in a few minutes
+
+1. **Pool.** ``postcard pool build`` (the same code) fills a knowledge pool with short
+   federated LoRA runs on the ``--pool-sources`` (default: Shakespeare histories and
+   comedies, MMLU STEM); sources already pooled are reused. The target task's data must
+   not be in the pool: the script checks the plays / MMLU categories and stops otherwise.
+2. **Runs.** ``fedavg-lora`` (LoRA r=8 on all projections, from scratch) and
+   ``smartfed`` (experts from that pool, EEQA budget) train the target task
+   (default: Shakespeare on hamlet/macbeth/the-tempest/twelfth-night, one client per play
+   group) with the same rounds, clients, local steps, learning rate and seed, as Flower
+   simulations.
+3. **Client memory.** One client's local training, each algorithm in a fresh process:
+   peak resident memory (VmHWM, reset after the backbone is loaded), the part of it
+   above the loaded backbone, and the trainable state (values × 4 bytes × 4: weights,
+   gradients, two AdamW moments). SmartFed's client gets the round-1 downlink.
+
+Reported (``OUT/smartfed.md``, ``.json``, ``.png``, with the command that made them):
+the metric after R rounds, the first round at which SmartFed reaches FedAvg-LoRA's final
+metric, uplink payload bytes per client per round, peak client memory; against the
+targets ≤35% of FedAvg-LoRA's uplink bytes, ≤50% of its client memory, metric at least
+equal. Extra Hydra overrides after ``--`` apply to both runs (e.g. ``-- train.seq_len=64``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fedapps import pool_cli  # noqa: E402
+from fedapps.config import compose, from_yaml, to_yaml  # noqa: E402
+
+HIGHER_IS_BETTER = {"accuracy": True, "perplexity": False}
+
+
+# ---------------------------------------------------------------------------- memory probe
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM (peak RSS) to the current RSS (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def memory_probe(config_path: str, downlink_path: str | None, steps: int) -> dict:
+    """Runs in a fresh process: one client's local training, memory measured around it."""
+    import torch
+
+    from clients.tasks import make_task
+    from clients.train import local_train
+
+    cfg = from_yaml(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    if cfg.algorithm.name == "smartfed":
+        from safetensors.numpy import load_file
+
+        from fedapps.smartfed import load_mixture, more_config, prepare
+
+        model, tok, _ = prepare(cfg)
+        task = make_task(cfg, 0, int(cfg.num_clients), tok)
+        load_mixture(model, load_file(downlink_path), more_config(cfg))
+    else:
+        from fedapps.baselines import prepare
+
+        model, tok, _ = prepare(cfg)
+        task = make_task(cfg, 0, int(cfg.num_clients), tok)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    backbone_kb = _status_kb("VmRSS")
+    _reset_peak()
+    train_cfg = cfg.train.copy()
+    train_cfg.local_steps = steps
+    local_train(model, task, train_cfg, seed=0)
+    peak_kb = _status_kb("VmHWM")
+    return {
+        "algorithm": str(cfg.algorithm.name),
+        "rss_after_load_mb": backbone_kb / 1024,
+        "peak_rss_mb": peak_kb / 1024,
+        "peak_above_backbone_mb": (peak_kb - backbone_kb) / 1024,
+        "trainable_values": int(trainable),
+        "trainable_state_mb": trainable * 4 * 4 / 2**20,
+    }
+
+
+def measure_memory(cfg, workdir: Path, steps: int, downlink: dict | None) -> dict:
+    """Run :func:`memory_probe` in a child process (a clean peak for each algorithm)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / f"{cfg.algorithm.name}.yaml"
+    config_path.write_text(to_yaml(cfg))
+    command = [sys.executable, __file__, "--memory-probe", str(config_path), "--steps", str(steps)]
+    if downlink is not None:
+        from safetensors.numpy import save_file
+
+        path = workdir / "smartfed-downlink.safetensors"
+        save_file({k: v.copy() for k, v in downlink.items()}, str(path))
+        command += ["--downlink", str(path)]
+    # glibc keeps freed blocks (RSS then reflects the allocator's history, not live memory);
+    # a fixed mmap threshold returns every block >= 64 KiB to the system when it is freed
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory probe of {cfg.algorithm.name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def round1_downlink(cfg) -> dict:
+    """What a SmartFed client receives in round 1 (the server's plan, no Flower run)."""
+    from fedapps.smartfed import plan_server
+    from strategies import codec
+
+    plan = plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
+    return codec.decode(plan.strategy.downlink_arrays())
+
+
+# ---------------------------------------------------------------------------- benchmark
+def history(summary: dict) -> list[dict]:
+    with open(Path(summary["run_dir"]) / "metrics.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def first_round_reaching(values: dict[str, float], goal: float, higher: bool) -> int | None:
+    for r in sorted(values, key=int):
+        if int(r) > 0 and (values[r] >= goal if higher else values[r] <= goal):
+            return int(r)
+    return None
+
+
+def check_unseen(pool_path: Path, target_cfg) -> list[str]:
+    """Refuse a benchmark whose target data is in the pool; return what the pool holds."""
+    from clients.smartfed.pool import Pool
+
+    pool = Pool(pool_path)
+    held = []
+    plays = set(target_cfg.task.get("plays") or [])
+    categories = set(target_cfg.task.get("categories") or [])
+    for name in pool.names():
+        data = pool.provenance(name).get("data") or {}
+        overlap = (plays & set(data.get("plays") or [])) if data.get("task") == target_cfg.task.name else set()
+        if data.get("task") == "mmlu" and target_cfg.task.name == "mmlu":
+            overlap |= categories & set(data.get("categories") or [])
+        if overlap:
+            raise SystemExit(f"the pool's adapter '{name}' was trained on {sorted(overlap)}, which the target "
+                             "task uses: pick other --pool-sources or another --pool")
+        held.append(name)
+    return held
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = results["metric"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in results["runs"].items():
+        rounds = sorted(run["metric_by_round"], key=int)
+        values = [run["metric_by_round"][r] for r in rounds]
+        axes[0].plot([int(r) for r in rounds], values, marker="o", label=name)
+        cumulative = [run["cumulative_uplink_bytes"].get(r, 0) for r in rounds]
+        axes[1].plot(cumulative, values, marker="o", label=name)
+    axes[0].set(xlabel="round", ylabel=metric, title=f"{results['target']}: {metric} vs round")
+    axes[1].set(xlabel="cumulative uplink bytes per client", ylabel=metric, title=f"{metric} vs uplink bytes")
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(results: dict) -> str:
+    runs, metric = results["runs"], results["metric"]
+    base, sf = runs["fedavg-lora"], runs["smartfed"]
+    higher = HIGHER_IS_BETTER.get(metric, True)
+    up_ratio = sf["uplink_bytes_per_client_round"] / base["uplink_bytes_per_client_round"]
+    better = sf["final_metric"] >= base["final_metric"] if higher else sf["final_metric"] <= base["final_metric"]
+
+    def row(label, b, s, ratio=None, target=None):
+        cells = [label, b, s, "-" if ratio is None else f"{ratio:.3f}", target or ""]
+        return "| " + " | ".join(cells) + " |"
+
+    reach = sf["rounds_to_fedavg_final"]
+    lines = [
+        f"# SmartFed vs FedAvg-LoRA: {results['target']} on {results['model']}",
+        "",
+        f"Made by: `{results['command']}`  ",
+        f"({results['date']}, {results['wall_minutes']:.1f} min wall on this machine.)",
+        "",
+        f"Pool: {results['pool']} — adapters {', '.join(results['pool_adapters'])} "
+        f"({sf['smartfed']['pool_experts']} rank-1 experts on {sf['smartfed']['matrices']} matrices); "
+        f"SmartFed {sf['smartfed']['mode']}, budget {sf['smartfed']['budget']} active experts, "
+        f"top-{results['top_k']}. Target data not in the pool: {results['target_data']}.",
+        f"Both runs: {results['rounds']} rounds, {results['clients']} clients, {results['steps']} local steps, "
+        f"lr {results['lr']}, seed {results['seed']}.",
+        "",
+        "| | fedavg-lora (from scratch) | smartfed | smartfed / fedavg-lora | target |",
+        "|---|---:|---:|---:|---|",
+        row(f"{metric} at round 0", f"{base['initial_metric']:.4g}", f"{sf['initial_metric']:.4g}"),
+        row(f"{metric} after {results['rounds']} rounds", f"{base['final_metric']:.4g}", f"{sf['final_metric']:.4g}",
+            None, f"at least equal: **{'met' if better else 'not met'}**"),
+        row("rounds to reach fedavg-lora's final metric", str(results["rounds"]),
+            f"not within {results['rounds']}" if reach is None else str(reach)),
+        row("uplink payload bytes / client / round", f"{base['uplink_bytes_per_client_round']:,.0f}",
+            f"{sf['uplink_bytes_per_client_round']:,.0f}", up_ratio,
+            f"≤ 0.35: **{'met' if up_ratio <= 0.35 else 'not met'}**"),
+        row("downlink payload bytes / client / round", f"{base['downlink_bytes_per_client_round']:,.0f}",
+            f"{sf['downlink_bytes_per_client_round']:,.0f}",
+            sf["downlink_bytes_per_client_round"] / base["downlink_bytes_per_client_round"]),
+    ]
+    if results["memory"]:
+        mem_b, mem_s = results["memory"]["fedavg-lora"], results["memory"]["smartfed"]
+        peak_ratio = mem_s["peak_rss_mb"] / mem_b["peak_rss_mb"]
+        lines += [
+            row("peak client memory (RSS, MB)", f"{mem_b['peak_rss_mb']:,.0f}", f"{mem_s['peak_rss_mb']:,.0f}",
+                peak_ratio, f"≤ 0.50: **{'met' if peak_ratio <= 0.5 else 'not met'}**"),
+            row("  of which above the loaded backbone (MB)", f"{mem_b['peak_above_backbone_mb']:,.0f}",
+                f"{mem_s['peak_above_backbone_mb']:,.0f}",
+                mem_s["peak_above_backbone_mb"] / max(mem_b["peak_above_backbone_mb"], 1e-9)),
+            row("  trainable state: weights+grads+AdamW (MB)", f"{mem_b['trainable_state_mb']:,.2f}",
+                f"{mem_s['trainable_state_mb']:,.2f}", mem_s["trainable_state_mb"] / mem_b["trainable_state_mb"]),
+            row("trainable values on the client", f"{mem_b['trainable_values']:,}", f"{mem_s['trainable_values']:,}",
+                mem_s["trainable_values"] / mem_b["trainable_values"]),
+        ]
+    lines += [
+        "",
+        f"{metric} by round:",
+        "",
+        "| round | " + " | ".join(runs) + " |",
+        "|---|" + "---:|" * len(runs),
+    ]
+    for r in sorted(base["metric_by_round"], key=int):
+        lines.append(f"| {r} | " + " | ".join(f"{run['metric_by_round'].get(r, float('nan')):.4g}" for run in runs.values()) + " |")
+    lines += ["", "![metric vs round and vs uplink bytes](smartfed.png)", "",
+              "SmartFed's EEQA allocation per round (active experts by projection kind): "
+              + "; ".join(f"round {a['for_round']}: {a['quotas_by_kind']}" for a in sf["smartfed_rounds"]), "",
+              "Peak memory: one client process's VmHWM (peak resident set) during local training, reset "
+              "after the model is loaded, with glibc returning freed blocks >= 64 KiB to the system "
+              "(MALLOC_MMAP_THRESHOLD_) so that the peak follows live memory. It includes the fp32 backbone "
+              "and the activations kept for backpropagation, which both methods need whole; the trainable "
+              "state is the part a method changes.",
+              f"Run folders: fedavg-lora `{base['run_dir']}`, smartfed `{sf['run_dir']}`."]
+    return "\n".join(lines) + "\n"
+
+
+def run_one(name: str, overrides: list[str]) -> dict:
+    from fedapps.simulation import simulate
+
+    cfg = compose(overrides, algorithm=name)
+    print(f"== {name}: {' '.join(overrides)}", flush=True)
+    summary = simulate(cfg)
+    rounds = history(summary)
+    total, cumulative = 0, {}
+    for record in rounds:
+        ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
+        total += sum(ups) / max(len(ups), 1)
+        cumulative[str(record["round"])] = total
+    summary["cumulative_uplink_bytes"] = cumulative
+    summary["smartfed_rounds"] = [r.get("smartfed") for r in rounds if r.get("smartfed")]
+    summary.pop("config", None)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--task", default="shakespeare", help="target task (its data must not be in the pool)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="local steps per client per round")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--pool", default=None, help="pool folder (default: $POSTCARD_CACHE/pool/<model>)")
+    parser.add_argument("--pool-sources", default="shakespeare-histories,shakespeare-comedies,mmlu-stem")
+    parser.add_argument("--pool-rounds", type=int, default=2)
+    parser.add_argument("--pool-steps", type=int, default=10)
+    parser.add_argument("--budget-per-matrix", type=float, default=None, help="SmartFed budget (default: config's)")
+    parser.add_argument("--mode", default="experts+router", choices=["experts+router", "router-only"])
+    parser.add_argument("--memory-steps", type=int, default=4, help="local steps of the memory probe (0: skip)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="where the table, JSON and plot go")
+    parser.add_argument("--runs-dir", default=None,
+                        help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-smartfed/)")
+    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--downlink", default=None, help=argparse.SUPPRESS)
+    args, extra = parser.parse_known_args(argv)
+    extra = [e for e in extra if e != "--"]
+
+    if args.memory_probe:
+        print(json.dumps(memory_probe(args.memory_probe, args.downlink, args.steps)))
+        return 0
+
+    start = time.time()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(args.runs_dir or Path(os.environ.get("POSTCARD_OUTPUTS") or ROOT / "outputs") / "bench-smartfed")
+    runs_dir = runs_dir.expanduser().resolve()
+    common = [f"model={args.model}", f"seed={args.seed}", f"output_dir={runs_dir}"]
+
+    # 1. the knowledge pool
+    sources = [s for s in args.pool_sources.split(",") if s]
+    pool_path = Path(args.pool).expanduser().resolve() if args.pool else pool_cli.default_pool_dir(args.model)
+    pool_cli.build(sources, [*common, f"rounds={args.pool_rounds}", f"train.local_steps={args.pool_steps}",
+                             f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}"], pool=pool_path)
+
+    # 2. the two runs on the target task
+    run = [*common, f"rounds={args.rounds}", f"num_clients={args.clients}", f"train.local_steps={args.steps}",
+           f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}", *extra]
+    target = compose([f"task={args.task}", *run])
+    held = check_unseen(pool_path, target)
+    smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]", f"algorithm.mode={args.mode}"]
+    if args.budget_per_matrix is not None:
+        smartfed.append(f"algorithm.budget_per_matrix={args.budget_per_matrix}")
+    results_runs = {
+        "fedavg-lora": run_one("fedavg-lora", [f"task={args.task}", *run, "run_name=bench-fedavg-lora"]),
+        "smartfed": run_one("smartfed", [f"task={args.task}", *run, *smartfed, "run_name=bench-smartfed"]),
+    }
+    metric = results_runs["fedavg-lora"]["metric"]
+    higher = HIGHER_IS_BETTER.get(metric, True)
+    goal = results_runs["fedavg-lora"]["final_metric"]
+    for summary in results_runs.values():
+        summary["rounds_to_fedavg_final"] = first_round_reaching(summary["metric_by_round"], goal, higher)
+
+    # 3. client memory, one fresh process per algorithm
+    memory = {}
+    sf_cfg = compose([f"task={args.task}", *run, *smartfed], algorithm="smartfed")
+    if args.memory_steps > 0:
+        memory["fedavg-lora"] = measure_memory(compose([f"task={args.task}", *run], algorithm="fedavg-lora"),
+                                               runs_dir / "memory", args.memory_steps, None)
+        memory["smartfed"] = measure_memory(sf_cfg, runs_dir / "memory", args.memory_steps, round1_downlink(sf_cfg))
+
+    data = {k: list(v) for k, v in (("plays", target.task.get("plays")),
+                                     ("categories", target.task.get("categories"))) if v}
+    results = {
+        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/smartfed.py",
+                                                      *(sys.argv[1:] if argv is None else argv)]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "wall_minutes": (time.time() - start) / 60,
+        "model": args.model, "target": args.task, "target_data": json.dumps(data),
+        "rounds": args.rounds, "clients": args.clients, "steps": args.steps, "lr": args.lr, "seed": args.seed,
+        "top_k": int(sf_cfg.algorithm.top_k),
+        "pool": str(pool_path), "pool_adapters": held, "metric": metric,
+        "runs": results_runs, "memory": memory,
+    }
+    (out / "smartfed.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out / "smartfed.png")
+    text = report(results)
+    (out / "smartfed.md").write_text(text)
+    print(text)
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
