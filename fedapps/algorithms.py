@@ -14,6 +14,8 @@ PAIRS = {
     "fedavg-full": "fedapps.baselines",
     "flite": "fedapps.flite",
     "fednl": "fedapps.fednl",
+    "fedala": "fedapps.fedala",
+    "fedssi": "fedapps.fedssi",
     "smartfed": "fedapps.smartfed",
 }
 

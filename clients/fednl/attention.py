@@ -1,8 +1,9 @@
 """Dual-path attention for a frozen HF causal LM: softmax attention + a delta-rule memory.
 
 FedNL (after TPTT's LiZAttention) turns every self-attention layer of a frozen Llama-
-family backbone (Llama, Qwen2, SmolLM2: modules with ``q_proj``/``k_proj``/``v_proj``/
-``o_proj``) into::
+family backbone (Llama, Qwen2, SmolLM2, Gemma3: modules with ``q_proj``/``k_proj``/
+``v_proj``/``o_proj``; Gemma3's per-head ``q_norm``/``k_norm`` are applied as its own
+forward does) into::
 
     out = o_proj((1 - alpha) * softmax_attention + alpha * delta_rule_attention)
 
@@ -362,6 +363,10 @@ def dual_path_attention_forward(
     query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if getattr(self, "q_norm", None) is not None:  # Gemma3 / Qwen3: per-head RMSNorm before RoPE
+        query = self.q_norm(query)
+    if getattr(self, "k_norm", None) is not None:
+        key = self.k_norm(key)
     dropout = self.attention_dropout if self.training else 0.0
 
     # ---- softmax path: RoPE, then the backbone's attention (optionally windowed)
@@ -439,6 +444,14 @@ def dual_path_attention_forward(
 
 
 # --------------------------------------------------------------------------- streaming inference
+def _stream_window(attn: nn.Module) -> int | None:
+    """The softmax window a streamed layer keeps: FedNL's ``window``, and also the
+    backbone's own sliding window on layers that have one (Gemma3's local layers,
+    Qwen2 with ``use_sliding_window``), whichever is smaller."""
+    windows = [w for w in (attn.fednl_config.window, getattr(attn, "sliding_window", None)) if w]
+    return min(int(w) for w in windows) if windows else None
+
+
 class FedNLStreamer:
     """Runs a FedNL model over an arbitrarily long token stream, block by block.
 
@@ -468,7 +481,7 @@ class FedNLStreamer:
 
     def reset(self) -> None:
         """Forget everything: a new stream starts with S = 0 and an empty cache."""
-        self.states = [_LayerStream(attn.fednl_config.window, self.form) for attn in self.attentions]
+        self.states = [_LayerStream(_stream_window(attn), self.form) for attn in self.attentions]
         self.position = 0
 
     def state_bytes(self) -> int:

@@ -222,12 +222,15 @@ def delta_rule_chunked(
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     intra = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
 
+    # Per-chunk views taken once with unbind: indexing chunk c inside the loop would make
+    # autograd materialise (and zero-fill) a full-size gradient buffer per chunk and tensor.
+    q_c, k_c, w_c, u_c, intra_c = (x.unbind(dim=2) for x in (q, k, w, u, intra))
     outputs = []
     for c in range(chunks):
         state_t = state.transpose(-1, -2)  # (B, H, d_k, d_v)
-        u_c = u[:, :, c] - w[:, :, c] @ state_t
-        outputs.append(q[:, :, c] @ state_t + intra[:, :, c] @ u_c)
-        state = state + u_c.transpose(-1, -2) @ k[:, :, c]
+        u_true = u_c[c] - w_c[c] @ state_t  # what each token of the chunk really writes
+        outputs.append(q_c[c] @ state_t + intra_c[c] @ u_true)
+        state = state + u_true.transpose(-1, -2) @ k_c[c]
     o = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
     return o.to(out_dtype), state
 

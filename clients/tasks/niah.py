@@ -508,7 +508,16 @@ def make_split(template: str, n: int, lengths: Sequence[int], seed: int, tokeniz
     lengths = list(lengths)
     if not lengths:
         raise ValueError("lengths must name at least one target length")
-    return [
-        make_example(template, lengths[i % len(lengths)], random.Random(f"niah:{template}:{seed}:{i}"), tokenizer)
-        for i in range(n)
-    ]
+    return [split_example(template, i, lengths, seed, tokenizer) for i in range(n)]
+
+
+def split_example(template: str, index: int, lengths: Sequence[int], seed: int, tokenizer) -> dict:
+    """Example ``index`` of ``make_split(template, n, lengths, seed, tokenizer)`` for any n > index,
+    made on its own (a task draws examples lazily, in any order)."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"index must be a non-negative int, got {index!r}")
+    lengths = list(lengths)
+    if not lengths:
+        raise ValueError("lengths must name at least one target length")
+    rng = random.Random(f"niah:{template}:{seed}:{index}")
+    return make_example(template, int(lengths[index % len(lengths)]), rng, tokenizer)

@@ -1,0 +1,609 @@
+"""FedNL against the baselines on the embedded SmolLM2, sized for 2 CPU cores (<= 60 min).
+
+    .venv/bin/python bench/fednl.py --write-docs            # the full CPU benchmark
+    .venv/bin/python bench/fednl.py --smoke --out /tmp/fednl-smoke   # a pipeline check on the tiny model
+
+Sections (``--sections``, all by default), each a real Flower simulation or measurement:
+
+1. ``mmlu``: 5-client non-IID MMLU (one super-category per client) for fedavg-lora,
+   fedprox, ffa-lora, fedala, fedssi and FedNL in both payload modes, ``--rounds`` rounds
+   of ``--local-steps`` steps; per-client and average accuracy of the last round,
+   uplink/downlink payload bytes per client per round, and the aggregation drop per client
+   (the client's own model before aggregation vs the federated one, same round, same test
+   questions; for the pairs that report it: FedNL, FedALA, FedSSI).
+2. ``niah``: 7-client needle-in-a-haystack (one template per client), FedNL (softmax
+   window ``--window``, the memory carries the rest) and fedavg-lora trained on
+   ``--niah-train-length``-token prompts, then every client's test prompts at
+   ``--niah-lengths`` scored with the final global model.
+3. ``stream``: one ``--stream-length``-token NIAH prompt streamed block by block through
+   FedNL's recurrent form and through fedavg-lora's model (adapter merged into the
+   backbone) with its KV cache, each in a fresh process: normalised CE per 1K-token bin
+   relative to the first bin, and peak inference memory at ``--memory-lengths`` tokens
+   (peak RSS above the loaded model; CUDA: allocator peak), with the carried state's bytes.
+   Uses the ``niah`` section's trained models (the section runs it if needed), or with
+   ``--stream-from init`` the untrained ones (FedNL at init, the bare backbone).
+4. ``throughput``: training tokens/s of FedNL (memory + LoRA q/k/v) vs plain LoRA on
+   q/k/v with the same rank, same batch, interleaved timed steps.
+
+Targets from the issue: FedNL's peak memory grows <= 1.1x from the first to the last
+memory length; FedNL trains at >= 0.7x plain LoRA's tokens/s. ``--write-docs`` puts the
+tables (with the command that made them) into ``docs/fednl.md`` between its bench markers
+and the plots into ``docs/fednl-*.png``; every run also leaves ``results.json`` and the
+run folders under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+SECTIONS = ("mmlu", "niah", "stream", "throughput")
+ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate")
+MMLU_CLIENTS = ("law_ethics", "humanities", "stem", "math_cs", "medicine_psychology")
+DOC_START, DOC_END = "<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny-llama (pipeline checks)")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="MMLU runs; fednl:<mode> picks the payload mode")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--local-steps", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--eval-batches", type=int, default=2, help="MMLU test batches of 8 per client (0 = all, <=200)")
+    p.add_argument("--mmlu-max-length", type=int, default=256, help="MMLU prompt tokens (longer ones are cut from the left)")
+    p.add_argument("--niah-rounds", type=int, default=1)
+    p.add_argument("--niah-steps", type=int, default=3)
+    p.add_argument("--niah-train-length", type=int, default=768, help="(the multi-value template needs >= ~510)")
+    p.add_argument("--niah-lengths", default="1024,2048,4096")
+    p.add_argument("--niah-test-per-template", type=int, default=3, help="test prompts per client (balanced over lengths)")
+    p.add_argument("--window", type=int, default=512, help="FedNL's softmax window on NIAH and streams")
+    p.add_argument("--stream-length", type=int, default=16384)
+    p.add_argument("--memory-lengths", default="1024,2048,4096,8192,16384")
+    p.add_argument("--block", type=int, default=256, help="tokens per streamed block")
+    p.add_argument("--stream-from", choices=("niah", "init"), default="niah",
+                   help="stream the NIAH section's trained models, or the untrained ones (memory only needs these)")
+    p.add_argument("--throughput-steps", type=int, default=3)
+    p.add_argument("--throughput-batch", type=int, default=2)
+    p.add_argument("--throughput-seq", type=int, default=512)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of in-process measurements")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--out", default=str(ROOT / "outputs" / "bench-fednl"), help="folder for run folders and results")
+    p.add_argument("--write-docs", action="store_true", help="update docs/fednl.md and docs/fednl-*.png")
+    p.add_argument("--smoke", action="store_true", help="tiny model and sizes: checks the pipeline in minutes")
+    p.add_argument("--render", help="comma list of results.json files: print (and with --write-docs, write) "
+                                    "their tables and plots again, without running anything")
+    p.add_argument("--stream-worker", help=argparse.SUPPRESS)  # internal: one streaming measurement (JSON spec)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model = "tiny-llama"
+        args.rounds, args.local_steps, args.eval_batches = 1, 2, 1
+        args.niah_rounds, args.niah_steps, args.niah_train_length = 1, 1, 640
+        args.niah_lengths, args.niah_test_per_template, args.window = "640,768", 2, 128
+        args.stream_length, args.memory_lengths, args.block = 2048, "512,1024,2048", 128
+        args.throughput_steps, args.throughput_seq = 1, 128
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}; choose from {SECTIONS}")
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    args.niah_lengths = [int(x) for x in args.niah_lengths.split(",")]
+    args.memory_lengths = [int(x) for x in args.memory_lengths.split(",")]
+    if max(args.memory_lengths) > args.stream_length:
+        p.error("--memory-lengths must not exceed --stream-length")
+    if args.stream_length < 2048:
+        p.error("--stream-length must be at least 2048 (two 1K bins for the relative CE)")
+    return args
+
+
+# ---------------------------------------------------------------------------- helpers
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def history(run_dir: str) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def algorithm_overrides(spec: str) -> tuple[str, list[str]]:
+    """'fednl:gate' -> ('fednl', ['algorithm.mode=gate']); 'fedala' -> ('fedala', [...caps])."""
+    name, _, mode = spec.partition(":")
+    overrides = []
+    if name == "fednl":
+        overrides.append(f"algorithm.mode={mode or 'meta-rules'}")
+    elif mode:
+        raise SystemExit(f"only fednl takes a mode, got '{spec}'")
+    if name == "fedala":  # the start phase: at most 2 passes of 4 batches on 2 cores
+        overrides += ["algorithm.ala.max_batches=4", "algorithm.ala.max_start_epochs=2"]
+    if name == "fedssi":
+        overrides += ["algorithm.ssi.psm_steps=2"]
+    return name, overrides
+
+
+def run(cfg) -> dict:
+    from fedapps.simulation import simulate
+
+    start = time.time()
+    summary = simulate(cfg)
+    summary["bench_seconds"] = time.time() - start
+    return summary
+
+
+def common(args) -> list[str]:
+    return [f"seed={args.seed}", f"train.lr={args.lr}", f"train.batch_size={args.batch_size}",
+            "train.threads=1", "eval.batch_size=8"]
+
+
+# ---------------------------------------------------------------------------- 1. MMLU
+def section_mmlu(args, out: Path) -> dict:
+    from fedapps.config import compose
+
+    results = {}
+    for spec in args.algorithms:
+        name, overrides = algorithm_overrides(spec)
+        cfg = compose(
+            [*common(args), *overrides, f"model={args.model}", f"rounds={args.rounds}",
+             f"train.local_steps={args.local_steps}", f"eval.max_batches={args.eval_batches}",
+             f"task.max_length={args.mmlu_max_length}", f"output_dir={out}",
+             f"run_name=mmlu_{spec.replace(':', '-')}"],
+            preset="fednl-cpu", algorithm=name,
+        )
+        log(f"MMLU: {spec}")
+        summary = run(cfg)
+        last = history(summary["run_dir"])[-1]
+        per_client, drop = {}, {}
+        for client in last["clients"]:
+            pid = int(client["eval_partition-id"])
+            per_client[MMLU_CLIENTS[pid]] = client["eval_accuracy"]
+            if "train_local-accuracy" in client:
+                drop[MMLU_CLIENTS[pid]] = client["train_local-accuracy"] - client["eval_accuracy"]
+        results[spec] = {
+            "per_client": per_client,
+            "average": sum(per_client.values()) / len(per_client),
+            "initial": summary["initial_metric"],
+            "uplink_bytes": summary["uplink_bytes_per_client_round"],
+            "downlink_bytes": summary["downlink_bytes_per_client_round"],
+            "aggregation_drop": drop,
+            "test_questions_per_client": last["clients"][0]["eval_num-examples"],
+            "seconds": summary["bench_seconds"],
+            "run_dir": summary["run_dir"],
+        }
+        log(f"MMLU {spec}: average {results[spec]['average']:.3f}, uplink {results[spec]['uplink_bytes']:,.0f} B, "
+            f"{results[spec]['seconds']:.0f} s")
+    return results
+
+
+# ---------------------------------------------------------------------------- 2. NIAH
+def niah_cfg(args, out: Path, spec: str, run_name: str):
+    from fedapps.config import compose
+
+    name, overrides = algorithm_overrides(spec)
+    if name == "fednl":  # the window bounds the softmax path; no pre-aggregation scoring here
+        overrides += [f"algorithm.memory.window={args.window}", "algorithm.eval_local=false"]
+    lengths = ",".join(str(x) for x in args.niah_lengths)
+    return compose(
+        [*common(args), *overrides, f"model={args.model}", f"rounds={args.niah_rounds}", "num_clients=7",
+         f"train.local_steps={args.niah_steps}", "train.batch_size=1",
+         f"task.train_per_template={max(4, args.niah_steps)}", f"task.train_lengths=[{args.niah_train_length}]",
+         f"task.test_per_template={args.niah_test_per_template}", f"task.test_lengths=[{lengths}]",
+         "strategy.fraction_evaluate=0.0", f"output_dir={out}", f"run_name={run_name}"],
+        task="niah", algorithm=name,
+    )
+
+
+def load_trained(cfg, summary: dict):
+    """The final global model of a run (FedNL θ, or a PEFT adapter merged into the backbone);
+    with no ``final_state``, the untrained one (FedNL at init, or the bare backbone)."""
+    if summary.get("final_state") is None:
+        from clients.models import build_model
+        from fedapps.fednl import prepare
+
+        model, tokenizer = prepare(cfg)[:2] if cfg.algorithm.name == "fednl" else build_model(cfg)
+        return model.eval(), tokenizer
+    if cfg.algorithm.name == "fednl":
+        from fedapps.fednl import load_final
+
+        model, tokenizer = load_final(cfg, summary["final_state"])
+        return model, tokenizer
+    from peft import PeftModel
+
+    from clients.models import build_model
+
+    base, tokenizer = build_model(cfg)
+    model = PeftModel.from_pretrained(base, summary["final_state"]).merge_and_unload()
+    return model.eval(), tokenizer
+
+
+def section_niah(args, out: Path) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+
+    from clients.tasks import make_task
+    from clients.train import evaluate
+
+    torch.set_num_threads(args.threads)
+    results = {}
+    for spec in ("fednl:meta-rules", "fedavg-lora"):
+        name = spec.split(":")[0]
+        cfg = niah_cfg(args, out, spec, f"niah_{name}")
+        log(f"NIAH: training {name} ({cfg.rounds} round(s), {cfg.train.local_steps} steps of "
+            f"{args.niah_train_length}-token prompts per client)")
+        summary = run(cfg)
+        start = time.time()
+        model, tokenizer = load_trained(cfg, summary)
+        per_client, per_length, totals = {}, {}, {}
+        for pid in range(7):
+            task = make_task(cfg, pid, 7, tokenizer)
+            metrics = evaluate(model, task, OmegaConf.create({"batch_size": 1, "max_batches": 0}))
+            per_client[task.templates[0]] = metrics["accuracy"]
+            for length in args.niah_lengths:
+                count = sum(1 for i in task.test_idx if task.length_of(i) == length)
+                if count:
+                    per_length[length] = per_length.get(length, 0.0) + metrics[f"accuracy-{length}"] * count
+                    totals[length] = totals.get(length, 0) + count
+        results[name] = {
+            "per_client": per_client,
+            "per_length": {str(k): per_length[k] / totals[k] for k in sorted(per_length)},
+            "test_prompts_per_length": {str(k): totals[k] for k in sorted(totals)},
+            "train_seconds": summary["bench_seconds"],
+            "eval_seconds": time.time() - start,
+            "run_dir": summary["run_dir"],
+            "final_state": summary["final_state"],
+        }
+        log(f"NIAH {name}: {results[name]['per_length']}")
+        del model
+    return results
+
+
+# ---------------------------------------------------------------------------- 3. streams (worker + driver)
+def stream_worker(spec_json: str) -> None:
+    """In a fresh process: stream one long prompt, print one JSON line of results."""
+    import torch
+
+    from clients.fednl import FedNLStreamer, KVCacheStreamer, binned_nll, relative_ce, streamed_nll
+    from clients.fednl.diagnostics import PeakMemory
+    from clients.tasks.niah import make_example
+    from fedapps.config import from_yaml
+
+    spec = json.loads(spec_json)
+    torch.set_num_threads(int(spec["threads"]))
+    cfg = from_yaml(Path(spec["config"]).read_text())
+    model, tokenizer = load_trained(cfg, {"final_state": spec["final_state"]})
+    # one token more than the stream's length, so that every one of its tokens is scored
+    example = make_example("passkey", int(spec["length"]) + 1, int(spec["seed"]), tokenizer)
+    ids = torch.tensor([tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]])
+    if spec["method"] == "fednl":
+        def make():
+            return FedNLStreamer(model, block=int(spec["block"]), form="recurrent")
+    else:
+        def make():
+            return KVCacheStreamer(model, block=int(spec["block"]))
+    streamed_nll(make(), ids[:, : int(spec["block"]) * 2])  # warm-up (kernels, allocator)
+    lengths = [int(x) for x in spec["memory_lengths"]]
+    peaks, states = {}, {}
+    streamer = make()
+    start = time.time()
+    total = int(ids.shape[1])  # the prompt fits its target length, usually exactly
+    with PeakMemory() as peak:
+        def sample(done: int) -> None:
+            for length in lengths:
+                if (done >= length or done == total) and length not in peaks:
+                    peaks[length] = peak.sample()
+                    states[length] = streamer.state_bytes()
+
+        nll = streamed_nll(streamer, ids, on_block=sample)
+    result = {
+        "method": spec["method"],
+        "tokens": int(ids.shape[1]),
+        "seconds": time.time() - start,
+        "model_rss_bytes": peak.start,
+        "peak_bytes": {str(k): v for k, v in peaks.items()},
+        "state_bytes": {str(k): v for k, v in states.items()},
+        "bins": binned_nll(nll, 1024) if nll.shape[1] >= 1024 else [],
+        "relative_ce": relative_ce(nll, 1024) if nll.shape[1] >= 1024 else [],
+        "measure": "peak RSS above the RSS with the model loaded",
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def section_stream(args, out: Path, niah: dict | None) -> dict:
+    from fedapps.config import to_yaml
+
+    results = {}
+    for method, key in (("fednl", "fednl"), ("kv", "fedavg-lora")):
+        if niah is not None:
+            config, final_state = str(Path(niah[key]["run_dir"]) / "config.yaml"), niah[key]["final_state"]
+        else:  # untrained: FedNL at init with the window, the bare backbone
+            config, final_state = str(out / f"stream_{key}.yaml"), None
+            spec_name = "fednl:meta-rules" if key == "fednl" else key
+            Path(config).write_text(to_yaml(niah_cfg(args, out, spec_name, f"stream_{key}")))
+        spec = {
+            "method": method, "config": config, "final_state": final_state,
+            "length": args.stream_length, "block": args.block, "seed": args.seed + 7,
+            "memory_lengths": args.memory_lengths, "threads": args.threads,
+        }
+        log(f"stream: {key} ({'recurrent FedNL' if method == 'fednl' else 'KV cache'}), {args.stream_length} tokens")
+        proc = subprocess.run([sys.executable, __file__, "--stream-worker", json.dumps(spec)],
+                              capture_output=True, text=True, cwd=str(ROOT))
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"stream worker for {key} failed:\n{proc.stderr[-3000:]}")
+        results[key] = json.loads(lines[-1][len("RESULT "):])
+        if niah is not None:
+            results[key]["label"] = "FedNL recurrent" if method == "fednl" else "fedavg-lora + KV cache"
+        else:
+            results[key]["label"] = "FedNL recurrent (at init)" if method == "fednl" else "backbone + KV cache"
+        log(f"stream {key}: {results[key]['seconds']:.0f} s, peak {results[key]['peak_bytes']}")
+    return results
+
+
+# ---------------------------------------------------------------------------- 4. throughput
+def section_throughput(args) -> dict:
+    import torch
+
+    from fedapps import baselines, fednl
+    from fedapps.config import compose
+
+    torch.set_num_threads(args.threads)
+    base = [f"model={args.model}", f"seed={args.seed}"]
+    fednl_cfg = compose(base, algorithm="fednl", task="mmlu")
+    lora_cfg = compose([*base, "algorithm.lora.target_modules=[q_proj,k_proj,v_proj]"], algorithm="fedavg-lora",
+                       task="mmlu")
+    models = {"fednl": fednl.prepare(fednl_cfg)[0], "lora-qkv": baselines.prepare(lora_cfg)[0]}
+    vocab = models["fednl"].get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (args.throughput_batch, args.throughput_seq), generator=generator)
+    optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+                  for k, m in models.items()}
+
+    def step(key: str) -> tuple[float, float]:
+        """One training step: (wall seconds, CPU seconds of this process)."""
+        model, optimizer = models[key], optimizers[key]
+        wall, cpu = time.perf_counter(), time.process_time()
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    for key in models:  # warm-up
+        step(key)
+    times = {k: [] for k in models}
+    for _ in range(args.throughput_steps):  # interleaved, so load changes hit both alike
+        for key in models:
+            times[key].append(step(key))
+    tokens = args.throughput_batch * args.throughput_seq
+    # wall-clock tokens/s, and tokens per CPU-second (robust to other load on a shared machine)
+    rates = {k: tokens / (sum(w for w, _ in v) / len(v)) for k, v in times.items()}
+    cpu_rates = {k: tokens / (sum(c for _, c in v) / len(v)) for k, v in times.items()}
+    log(f"throughput: wall {rates}, per CPU-second {cpu_rates}")
+    return {"tokens_per_second": rates, "ratio": rates["fednl"] / rates["lora-qkv"],
+            "tokens_per_cpu_second": cpu_rates, "cpu_ratio": cpu_rates["fednl"] / cpu_rates["lora-qkv"],
+            "batch": args.throughput_batch, "seq": args.throughput_seq, "steps": args.throughput_steps,
+            "chunk_size": int(fednl_cfg.algorithm.memory.chunk_size), "threads": args.threads,
+            "trainable": {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()}}
+
+
+# ---------------------------------------------------------------------------- report
+def label_of(key: str, stream_result: dict) -> str:
+    return stream_result.get("label") or ("FedNL recurrent" if key == "fednl" else "fedavg-lora + KV cache")
+
+
+def fmt_bytes(value) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def report(args, results: dict, command: str) -> str:
+    lines = [f"Command: `{command}`", "",
+             f"Model: {args.model}; seed {args.seed}; {time.strftime('%Y-%m-%d')}; "
+             f"total {results.get('seconds', 0) / 60:.1f} min on this machine.", ""]
+    mmlu = results.get("mmlu")
+    if mmlu:
+        q = next(iter(mmlu.values()))["test_questions_per_client"]
+        lines += [f"### MMLU, 5 clients (one super-category each), {args.rounds} rounds x {args.local_steps} steps, "
+                  f"{q} test questions per client", "",
+                  "| algorithm | " + " | ".join(MMLU_CLIENTS) + " | average | round 0 | uplink B/client/round | "
+                  "downlink B/client/round |",
+                  "|---|" + "---:|" * (len(MMLU_CLIENTS) + 4)]
+        for spec, r in mmlu.items():
+            cells = [f"{r['per_client'].get(c, float('nan')):.3f}" for c in MMLU_CLIENTS]
+            initial = "—" if r["initial"] is None else f"{r['initial']:.3f}"
+            lines.append(f"| {spec} | " + " | ".join(cells) + f" | {r['average']:.3f} | {initial} | "
+                         f"{fmt_bytes(r['uplink_bytes'])} | {fmt_bytes(r['downlink_bytes'])} |")
+        lines += ["", "Aggregation drop (client's own model before aggregation minus the federated model, "
+                      "accuracy on the same test questions, last round; positive = aggregation lost accuracy):", "",
+                  "| algorithm | " + " | ".join(MMLU_CLIENTS) + " | mean |", "|---|" + "---:|" * (len(MMLU_CLIENTS) + 1)]
+        for spec, r in mmlu.items():
+            if r["aggregation_drop"]:
+                drops = [r["aggregation_drop"].get(c) for c in MMLU_CLIENTS]
+                lines.append(f"| {spec} | " + " | ".join(f"{d:+.3f}" for d in drops) +
+                             f" | {sum(drops) / len(drops):+.3f} |")
+        lines.append("")
+    niah = results.get("niah")
+    if niah:
+        lengths = [str(x) for x in args.niah_lengths]
+        counts = next(iter(niah.values()))["test_prompts_per_length"]
+        lines += [f"### NIAH, 7 clients (one template each), {args.niah_rounds} round(s) x {args.niah_steps} steps on "
+                  f"{args.niah_train_length}-token prompts; accuracy of the final global model "
+                  f"({', '.join(f'{counts[k]} prompts at {k}' for k in lengths if k in counts)})", "",
+                  "| algorithm | " + " | ".join(f"{x} tokens" for x in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+        for name, r in niah.items():
+            label = f"fednl (window {args.window})" if name == "fednl" else name
+            lines.append(f"| {label} | " + " | ".join(f"{r['per_length'].get(x, float('nan')):.3f}" for x in lengths) + " |")
+        lines.append("")
+    stream = results.get("stream")
+    if stream:
+        lengths = [str(x) for x in args.memory_lengths]
+        trained = "the NIAH section's trained models" if args.stream_from == "niah" else "untrained models"
+        lines += [f"### Streaming a {args.stream_length}-token NIAH prompt in blocks of {args.block} ({trained})", "",
+                  "Peak inference memory above the loaded model (MB) at each context length, and the carried state:", "",
+                  "| model | " + " | ".join(lengths) + f" | growth {lengths[0]}→{lengths[-1]} | carried state at {lengths[-1]} |",
+                  "|---|" + "---:|" * (len(lengths) + 2)]
+        for key, r in stream.items():
+            peaks = [r["peak_bytes"].get(x) for x in lengths]
+            growth = peaks[-1] / peaks[0] if peaks[0] else float("nan")
+            lines.append(f"| {label_of(key, r)} | " + " | ".join(f"{p / 1e6:.1f}" for p in peaks) +
+                         f" | {growth:.2f}x | {r['state_bytes'][lengths[-1]] / 1e6:.1f} MB |")
+        lines += ["", f"Target: FedNL grows <= 1.1x from {lengths[0]} to {lengths[-1]} tokens.", "",
+                  "Normalised cross-entropy per 1K-token bin relative to the first bin (% change; the last bin holds "
+                  "the question and choices, so the second half's mean is the steadier figure):", "",
+                  "| model | bins | second half vs first bin | last bin vs first bin |", "|---|---:|---:|---:|"]
+        for key, r in stream.items():
+            rel = r["relative_ce"]
+            if len(rel) >= 2:
+                half = rel[len(rel) // 2:]
+                lines.append(f"| {label_of(key, r)} | {len(rel)} | {(sum(half) / len(half) - 1) * 100:+.1f}% | "
+                             f"{(rel[-1] - 1) * 100:+.1f}% |")
+        lines.append("")
+    tp = results.get("throughput")
+    if tp:
+        rates = tp["tokens_per_second"]
+        cpu = tp["tokens_per_cpu_second"]
+        lines += [f"### Training throughput ({tp['batch']} x {tp['seq']} tokens, {tp['steps']} timed steps, "
+                  f"{tp['threads']} threads, AdamW step included, chunk {tp['chunk_size']})", "",
+                  "| model | trainable values | tokens/s (wall) | tokens per CPU-second |", "|---|---:|---:|---:|",
+                  f"| FedNL (memory + LoRA q/k/v) | {tp['trainable']['fednl']:,} | {rates['fednl']:.1f} | {cpu['fednl']:.1f} |",
+                  f"| plain LoRA q/k/v, same rank | {tp['trainable']['lora-qkv']:,} | {rates['lora-qkv']:.1f} | "
+                  f"{cpu['lora-qkv']:.1f} |", "",
+                  f"FedNL / plain LoRA = **{tp['ratio']:.2f}x** wall-clock, **{tp['cpu_ratio']:.2f}x** per CPU-second "
+                  "(target >= 0.7x; on a shared machine the CPU-time ratio is the steadier one).", ""]
+    return "\n".join(lines)
+
+
+def plots(results: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    stream = results.get("stream")
+    if not stream:
+        return made
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, r in stream.items():
+        if r["relative_ce"]:
+            ax.plot(range(1, len(r["relative_ce"]) + 1), r["relative_ce"], marker="o", label=label_of(key, r))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="1K-token bin", ylabel="CE / CE of the first bin", title="Streaming cross-entropy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    made.append(folder / "fednl-stream-ce.png")
+    fig.savefig(made[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, r in stream.items():
+        xs = sorted(int(x) for x in r["peak_bytes"])
+        ax.plot(xs, [r["peak_bytes"][str(x)] / 1e6 for x in xs], marker="o", label=label_of(key, r))
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="context length (tokens)", ylabel="peak inference memory above the model (MB)",
+           title="Peak inference memory")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    made.append(folder / "fednl-memory.png")
+    fig.savefig(made[-1], dpi=120)
+    plt.close(fig)
+    return made
+
+
+def write_docs(text: str, images: list[Path]) -> None:
+    docs = ROOT / "docs" / "fednl.md"
+    content = docs.read_text()
+    if DOC_START not in content or DOC_END not in content:
+        raise SystemExit(f"{docs} has no {DOC_START} ... {DOC_END} markers")
+    refs = "\n".join(f"![{p.stem}]({p.name})" for p in images)
+    head, rest = content.split(DOC_START, 1)
+    _, tail = rest.split(DOC_END, 1)
+    docs.write_text(f"{head}{DOC_START}\n{text}\n{refs}\n{DOC_END}{tail}")
+    log(f"wrote {docs}")
+
+
+def render(args) -> None:
+    """Tables and plots of earlier runs (their results.json), one block per run, in order."""
+    texts, images = [], []
+    for path in args.render.split(","):
+        results = json.loads(Path(path).read_text())
+        run_args = argparse.Namespace(**results["args"])
+        texts.append(report(run_args, results, results.get("command", "(command not recorded)")))
+        if "section_seconds" in results:
+            texts[-1] += "\nSection times: " + ", ".join(f"{k} {v / 60:.1f} min"
+                                                         for k, v in results["section_seconds"].items()) + "\n"
+        if results.get("stream"):
+            images = plots(results, ROOT / "docs" if args.write_docs else Path(path).parent)
+    text = "\n".join(texts)
+    print(text)
+    if args.write_docs:
+        write_docs(text, images)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.stream_worker:
+        stream_worker(args.stream_worker)
+        return
+    if args.render:
+        render(args)
+        return
+    command = "python bench/fednl.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    out = Path(args.out).expanduser().resolve() / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k not in ("stream_worker", "render")},
+                     "command": command}
+    start = time.time()
+    timings = {}
+    for section in SECTIONS:
+        if section not in args.sections:
+            continue
+        t0 = time.time()
+        if section == "mmlu":
+            results["mmlu"] = section_mmlu(args, out)
+        elif section == "niah":
+            results["niah"] = section_niah(args, out)
+        elif section == "stream":
+            if args.stream_from == "init":
+                results["stream"] = section_stream(args, out, None)
+            else:
+                if "niah" not in results:
+                    results["niah"] = section_niah(args, out)
+                results["stream"] = section_stream(args, out, results["niah"])
+        else:
+            results["throughput"] = section_throughput(args)
+        timings[section] = time.time() - t0
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    results["seconds"] = time.time() - start
+    results["section_seconds"] = timings
+    text = report(args, results, command)
+    text += "\nSection times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + "\n"
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "fednl-bench.md").write_text(text)
+    images = plots(results, out)
+    print("\n" + text)
+    if args.write_docs:
+        docs_images = plots(results, ROOT / "docs")
+        write_docs(text, docs_images)
+    log(f"results in {out} ({', '.join(p.name for p in images)})")
+
+
+if __name__ == "__main__":
+    main()

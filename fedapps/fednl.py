@@ -1,0 +1,236 @@
+"""FedNL as its own ServerApp/ClientApp pair (``algorithm=fednl``).
+
+Federated nested learning (SPEC.md, "FedNL"): the three loops map onto Flower as
+
+* L2, inference on the client: each attention layer's delta-rule memory S, written token
+  by token, restarting at zero for every sequence (``clients.fednl``). S is activation
+  state, never a parameter: it is never stored, sent or aggregated.
+* L1, training on the client: θ is trained by backpropagation through the memory (the
+  chunked WY/UT form), ``train.local_steps`` AdamW steps per round (``clients.train``).
+* L0, the server: example-weighted FedAvg of θ (:class:`strategies.fednl.FedNL`).
+
+The model is built as ``add_delta_memory`` → PEFT LoRA on q/k/v → ``mark_trainable``
+(PEFT freezes everything that is not LoRA, the gate and β included). What goes up:
+
+* ``algorithm.mode=meta-rules`` (default): LoRA q/k/v + gate + β;
+* ``algorithm.mode=gate``: gate + β only. LoRA is still trained, but stays on the client:
+  each node keeps its own LoRA in ``context.state`` between rounds (one Ray actor serves
+  several simulated nodes with one shared model, so the node's LoRA is loaded into the
+  model at every message, and the shared seeded init is used until the node has one).
+
+With ``algorithm.eval_local`` each client also scores its freshly trained model on its
+test split before replying (``local-accuracy``): against the federated model's score of
+the same round (the evaluation that follows aggregation) it gives the aggregation drop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from safetensors.numpy import load_file, save_file
+
+from clients.adapters import apply_lora, federated_state, load_federated_state
+from clients.fednl import (
+    PAYLOAD_MODES,
+    FedNLConfig,
+    add_delta_memory,
+    mark_trainable,
+    memory_gate_values,
+    meta_rule_names,
+)
+from clients.models import build_model
+from clients.train import evaluate as evaluate_model
+from clients.train import local_train
+from fedapps.algorithms import ServerPlan
+from fedapps.baselines import round_seed
+from fedapps.session import client_config, reply, session
+from strategies import codec
+from strategies.fednl import FedNL, gate_alpha
+
+LOCAL_LORA = "fednl.local-lora"  # context.state key of a node's own LoRA (payload mode 'gate')
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+class FedNLSetupError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------- model
+def payload_mode(cfg) -> str:
+    mode = str(cfg.algorithm.get("mode", "meta-rules"))
+    if mode not in PAYLOAD_MODES:
+        raise FedNLSetupError(f"algorithm.mode must be one of {PAYLOAD_MODES}, got '{mode}'")
+    return mode
+
+
+def memory_config(cfg) -> FedNLConfig:
+    """``cfg.algorithm.memory`` -> :class:`FedNLConfig` (which validates every value)."""
+    memory = cfg.algorithm.memory
+    window, use_fla = memory.get("window"), memory.get("use_fla")
+    try:
+        return FedNLConfig(
+            chunk_size=int(memory.chunk_size),
+            window=None if window is None else int(window),
+            gate=str(memory.gate),
+            gate_init_logit=float(memory.gate_init_logit),
+            beta=str(memory.beta),
+            beta_init_logit=float(memory.beta_init_logit),
+            qk_activation=str(memory.qk_activation),
+            use_fla=use_fla if use_fla is None else bool(use_fla),
+        )
+    except (TypeError, ValueError) as err:
+        raise FedNLSetupError(f"invalid algorithm.memory: {err}") from None
+
+
+def prepare(cfg):
+    """Backbone + delta memory + LoRA on q/k/v, with θ trainable.
+
+    ``extra``: ``names`` (the payload θ, in model order), ``local_names`` (what stays on
+    the client: the LoRA in mode 'gate', nothing otherwise), ``local_init`` (their
+    shared seeded values) and ``mode``.
+    """
+    mode = payload_mode(cfg)
+    if cfg.model.kind != "causal_lm":
+        raise FedNLSetupError(f"FedNL adds a memory to a causal LM's attention; model '{cfg.model.name}' is not one")
+    lora = cfg.algorithm.lora
+    if lora.get("send", "all") != "all":
+        raise FedNLSetupError("FedNL trains both LoRA factors: algorithm.lora.send must be 'all'")
+    extra_targets = sorted(set(lora.target_modules) - set(QKV))
+    if extra_targets:
+        raise FedNLSetupError(
+            f"FedNL's θ has LoRA on q_proj/k_proj/v_proj only; remove {extra_targets} from algorithm.lora.target_modules"
+        )
+    model, tokenizer = build_model(cfg)
+    add_delta_memory(model, memory_config(cfg))
+    model = apply_lora(model, lora, seed=int(cfg.seed))
+    trainable = mark_trainable(model)  # after PEFT, which froze the gate and β
+    names = meta_rule_names(model, mode)
+    sent = set(names)
+    local = [n for n in trainable if n not in sent]
+    extra = {"names": names, "local_names": local, "local_init": federated_state(model, local), "mode": mode}
+    return model, tokenizer, extra
+
+
+def load_theta(model, arrays) -> dict[str, torch.Tensor]:
+    """Decode a θ ArrayRecord (validated by the codec) into the model's parameters."""
+    state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
+    load_federated_state(model, state)
+    return state
+
+
+def load_final(cfg, path):
+    """The model of a finished run: ``prepare(cfg)`` + the saved global θ.
+
+    In mode 'gate' the LoRA is the shared init (each client's own LoRA stayed with it).
+    """
+    model, tokenizer, extra = prepare(cfg)
+    state = load_file(str(path))
+    missing = sorted(set(extra["names"]) - set(state))
+    if missing:
+        raise FedNLSetupError(f"{path} lacks θ tensors {missing[:3]}; was it written with this configuration?")
+    load_federated_state(model, {k: torch.from_numpy(v) for k, v in state.items()})
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------- client helpers
+def restore_local(s, context: Context) -> None:
+    """Load this node's own LoRA (mode 'gate'), or the shared init before it has one."""
+    if not s.extra["local_names"]:
+        return
+    if LOCAL_LORA in context.state.array_records:
+        state = {k: torch.from_numpy(v) for k, v in codec.decode(context.state.array_records[LOCAL_LORA]).items()}
+    else:
+        state = s.extra["local_init"]
+    load_federated_state(s.model, state)
+
+
+def keep_local(s, context: Context) -> None:
+    if s.extra["local_names"]:
+        state = federated_state(s.model, s.extra["local_names"])
+        context.state[LOCAL_LORA] = codec.encode({k: v.numpy() for k, v in state.items()}, "fp32")
+
+
+def local_metrics(model, task, eval_cfg) -> dict[str, float]:
+    """The client's own model, scored on its test split before aggregation."""
+    metrics = evaluate_model(model, task, eval_cfg)
+    return {f"local-{task.metric}": metrics[task.metric], "local-loss": metrics["loss"]}
+
+
+def gate_metrics(model) -> dict[str, float]:
+    alphas = memory_gate_values(model)
+    return {"gate-alpha-mean": float(np.mean(alphas)), "gate-alpha-max": float(np.max(alphas))}
+
+
+# ---------------------------------------------------------------------------- client
+clientapp = ClientApp()
+
+
+@clientapp.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg = client_config(msg, context)
+    s = session(cfg, context, prepare)
+    load_theta(s.model, msg.content["arrays"])
+    restore_local(s, context)
+    server_round = int(msg.content["config"]["server-round"])
+    metrics = local_train(s.model, s.task, cfg.train, seed=round_seed(cfg, server_round, s.partition_id))
+    metrics.update(gate_metrics(s.model))
+    if cfg.algorithm.get("eval_local", False):
+        metrics.update(local_metrics(s.model, s.task, cfg.eval))
+    keep_local(s, context)
+    metrics["partition-id"] = s.partition_id
+    theta = federated_state(s.model, s.extra["names"])
+    arrays = codec.encode({k: v.numpy() for k, v in theta.items()}, str(cfg.algorithm.payload))
+    return reply(msg, metrics, arrays)
+
+
+@clientapp.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    cfg = client_config(msg, context)
+    s = session(cfg, context, prepare)
+    load_theta(s.model, msg.content["arrays"])
+    restore_local(s, context)
+    metrics = evaluate_model(s.model, s.task, cfg.eval)
+    metrics.update(gate_metrics(s.model))
+    metrics["partition-id"] = s.partition_id
+    return reply(msg, metrics)
+
+
+# ---------------------------------------------------------------------------- server
+def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
+    model, _, extra = prepare(cfg)
+    initial = {k: v.numpy() for k, v in federated_state(model, extra["names"]).items()}
+    del model  # the server needs θ's layout and initial values, not the model
+    mode = extra["mode"]
+    strategy = FedNL(
+        mode=mode,
+        initial_state=initial,
+        config_yaml=config_yaml,
+        num_clients=int(cfg.num_clients),
+        min_clients=cfg.strategy.min_clients,
+        fraction_train=float(cfg.strategy.fraction_train),
+        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        uplink_format=str(cfg.algorithm.payload),
+        on_round_end=on_round_end,
+    )
+
+    def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
+        target = run_dir / "fednl_theta.safetensors"  # fedapps.fednl.load_final(cfg, target) reloads it
+        save_file({k: np.ascontiguousarray(v) for k, v in global_state.items()}, str(target),
+                  metadata={"algorithm": "fednl", "mode": mode})
+        return {"final_state": str(target), "payload_mode": mode, "final_gate_alpha": gate_alpha(global_state)}
+
+    return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+serverapp = ServerApp()
+
+
+@serverapp.main()
+def main(grid: Grid, context: Context) -> None:
+    from fedapps.config import compose_from_run_config
+    from fedapps.runner import run_server
+
+    run_server(grid, compose_from_run_config(context.run_config))
