@@ -304,7 +304,7 @@ def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: 
     elif isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
         allowed = allowed & attention_mask[:, None, None, -total:].bool()
     elif attention_mask is not None:
-        raise NotImplementedError(
+        raise ValueError(
             f"window needs a tensor attention mask; got {type(attention_mask).__name__}. "
             "Load the model with attn_implementation='sdpa' or 'eager'."
         )
