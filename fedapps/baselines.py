@@ -10,13 +10,13 @@ import numpy as np
 import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
 from safetensors.numpy import save_file
 
 from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
+from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.session import client_config, reply, session
 from strategies import codec
@@ -113,12 +113,5 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return ServerPlan(strategy=strategy, save_final=save_final)
 
 
-serverapp = ServerApp()
-
-
-@serverapp.main()
-def main(grid: Grid, context: Context) -> None:
-    from fedapps.config import compose_from_run_config
-    from fedapps.runner import run_server
-
-    run_server(grid, compose_from_run_config(context.run_config))
+# the pair's ServerApp is Postcard's common one: compose the config, run the runner
+serverapp = server_app.app

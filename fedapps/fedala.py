@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
 
 from clients.adapters import all_lora_state, federated_state, load_federated_state
 from clients.train import autocast, local_train
 from clients.train import evaluate as evaluate_model
+from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import prepare, round_seed
 from fedapps.fednl import local_metrics
@@ -266,12 +266,5 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return plan_lora_server(cfg, FedALA, on_round_end=on_round_end, config_yaml=config_yaml)
 
 
-serverapp = ServerApp()
-
-
-@serverapp.main()
-def main(grid: Grid, context: Context) -> None:
-    from fedapps.config import compose_from_run_config
-    from fedapps.runner import run_server
-
-    run_server(grid, compose_from_run_config(context.run_config))
+# the pair's ServerApp is Postcard's common one: compose the config, run the runner
+serverapp = server_app.app

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
 
 from clients.adapters import federated_state, load_federated_state
 from clients.train import TrainingError, autocast
 from clients.train import evaluate as evaluate_model
+from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import prepare, round_seed
 from fedapps.fedala import plan_lora_server
@@ -217,12 +217,5 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
                             c=float(ssi.c), lam=float(ssi.lam))
 
 
-serverapp = ServerApp()
-
-
-@serverapp.main()
-def main(grid: Grid, context: Context) -> None:
-    from fedapps.config import compose_from_run_config
-    from fedapps.runner import run_server
-
-    run_server(grid, compose_from_run_config(context.run_config))
+# the pair's ServerApp is Postcard's common one: compose the config, run the runner
+serverapp = server_app.app

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
 from omegaconf import OmegaConf
 
 from clients.flite import FliteConfig, apply_flite, fingerprint, get_latents, num_latents, orthogonal_head_, set_latents
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
+from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import round_seed
 from fedapps.session import ClientSetupError, client_config, reply, session
@@ -111,12 +111,5 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return ServerPlan(strategy=strategy, save_final=save_final)
 
 
-serverapp = ServerApp()
-
-
-@serverapp.main()
-def main(grid: Grid, context: Context) -> None:
-    from fedapps.config import compose_from_run_config
-    from fedapps.runner import run_server
-
-    run_server(grid, compose_from_run_config(context.run_config))
+# the pair's ServerApp is Postcard's common one: compose the config, run the runner
+serverapp = server_app.app

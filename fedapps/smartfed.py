@@ -33,7 +33,6 @@ import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
-from flwr.serverapp import Grid, ServerApp
 from safetensors.numpy import load_file, save_file
 
 from clients.models import build_model
@@ -49,6 +48,7 @@ from clients.smartfed.more import (
 from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_fingerprint
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
+from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import round_seed
 from fedapps.pool_cli import backbone_descriptor, default_pool_dir
@@ -330,15 +330,8 @@ def load_run_mixture(model, run_dir, cfg) -> dict[str, np.ndarray]:
     return load_mixture(model, state.gather(active), more_config(cfg))
 
 
-serverapp = ServerApp()
-
-
-@serverapp.main()
-def main(grid: Grid, context: Context) -> None:
-    from fedapps.config import compose_from_run_config
-    from fedapps.runner import run_server
-
-    run_server(grid, compose_from_run_config(context.run_config))
+# the pair's ServerApp is Postcard's common one: compose the config, run the runner
+serverapp = server_app.app
 
 
 __all__ = [
