@@ -14,25 +14,40 @@ class AdapterError(ValueError):
     pass
 
 
+def pointwise_convs(model) -> list[str]:
+    """Full names of a vision backbone's 1×1 convolutions (groups=1): its channel mixers."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Conv2d) and module.kernel_size == (1, 1) and module.groups == 1]
+
+
 def apply_lora(model, lora_cfg, seed: int):
     """Wrap ``model`` with PEFT LoRA; A is drawn from ``seed`` so every client starts alike.
 
+    ``lora_cfg.target_modules``: module name suffixes (a causal LM's projections), or
+    ``pointwise`` for every 1×1 convolution of a vision backbone (:func:`pointwise_convs`).
     ``lora_cfg.send == 'b'`` (FFA-LoRA) freezes A at that shared init.
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = list(lora_cfg.target_modules)
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in present]
-    if missing:
-        raise AdapterError(f"LoRA target modules {missing} do not exist in {type(model).__name__}")
+    vision = not hasattr(model, "config")  # a HF causal LM has a config; the vision backbones do not
+    if list(lora_cfg.target_modules) == ["pointwise"] or lora_cfg.target_modules == "pointwise":
+        targets = pointwise_convs(model)
+        if not targets:
+            raise AdapterError(f"LoRA target 'pointwise': {type(model).__name__} has no 1x1 convolutions")
+    else:
+        targets = list(lora_cfg.target_modules)
+        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        missing = [t for t in targets if t not in present]
+        if missing:
+            hint = " (a vision backbone: use algorithm.lora.target_modules=[pointwise])" if vision else ""
+            raise AdapterError(f"LoRA target modules {missing} do not exist in {type(model).__name__}{hint}")
     config = LoraConfig(
         r=int(lora_cfg.r),
         lora_alpha=int(lora_cfg.alpha),
         lora_dropout=float(lora_cfg.dropout),
         target_modules=targets,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=None if vision else "CAUSAL_LM",
     )
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)

@@ -12,6 +12,8 @@ PAIRS = {
     "fedprox": "fedapps.baselines",
     "ffa-lora": "fedapps.baselines",
     "fedavg-full": "fedapps.baselines",
+    "topk-ef": "fedapps.baselines",
+    "powersgd": "fedapps.baselines",
     "flite": "fedapps.flite",
     "fednl": "fedapps.fednl",
     "fedala": "fedapps.fedala",

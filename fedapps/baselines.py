@@ -13,12 +13,13 @@ from flwr.clientapp import ClientApp
 from safetensors.numpy import save_file
 
 from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
+from clients.flite import orthogonal_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
 from fedapps import server_app
 from fedapps.algorithms import ServerPlan
-from fedapps.session import client_config, reply, session
+from fedapps.session import client_config, reply, session, uplink_record
 from strategies import codec
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
 
@@ -27,6 +28,8 @@ def prepare(cfg):
     """Backbone + what the algorithm trains; ``extra['names']`` = the federated tensors."""
     model, tokenizer = build_model(cfg)
     if cfg.algorithm.trainable == "lora":
+        if cfg.model.kind == "vision":  # LoRA adapts the features; the classifier is FLITE's frozen one
+            orthogonal_head_(model.head, seed=int(cfg.seed))
         model = apply_lora(model, cfg.algorithm.lora, seed=int(cfg.seed))
     else:
         model.requires_grad_(True)
@@ -54,14 +57,16 @@ def train(msg: Message, context: Context) -> Message:
     received = _load(s.model, msg.content["arrays"])
     config = msg.content["config"]
     mu = float(config.get("proximal-mu", 0.0))
+    seed = round_seed(cfg, int(config["server-round"]), s.partition_id)
     metrics = local_train(
         s.model, s.task, cfg.train,
-        seed=round_seed(cfg, int(config["server-round"]), s.partition_id),
+        seed=seed,
         proximal_mu=mu, reference=received if mu > 0 else None,
     )
     metrics["partition-id"] = s.partition_id
     state = federated_state(s.model, s.extra["names"])
-    arrays = codec.encode({k: v.numpy() for k, v in state.items()}, str(cfg.algorithm.payload))
+    arrays = uplink_record(cfg, context, {k: v.numpy() for k, v in state.items()},
+                           {k: v.numpy() for k, v in received.items()}, seed)
     return reply(msg, metrics, arrays)
 
 
@@ -76,7 +81,15 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 # ---------------------------------------------------------------------------- server
-STRATEGIES = {"fedavg-lora": FedAvgLoRA, "fedprox": FedProx, "ffa-lora": FFALoRA, "fedavg-full": FedAvgFull}
+STRATEGIES = {"fedavg-lora": FedAvgLoRA, "fedprox": FedProx, "ffa-lora": FFALoRA, "fedavg-full": FedAvgFull,
+              "topk-ef": FedAvgFull, "powersgd": FedAvgFull}
+
+
+def uplink_kwargs(algorithm) -> dict:
+    """The strategy's uplink settings from ``algorithm.payload/uplink/compression``."""
+    comp = algorithm.get("compression") or {}
+    return dict(uplink_format=str(algorithm.payload), uplink=str(algorithm.get("uplink", "absolute")),
+                topk_fraction=comp.get("topk_fraction"), powersgd_rank=comp.get("powersgd_rank"))
 
 
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
@@ -92,8 +105,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         min_clients=cfg.strategy.min_clients,
         fraction_train=float(cfg.strategy.fraction_train),
         fraction_evaluate=float(cfg.strategy.fraction_evaluate),
-        uplink_format=str(cfg.algorithm.payload),
         on_round_end=on_round_end,
+        **uplink_kwargs(cfg.algorithm),
     )
     name = cfg.algorithm.name
     if name == "fedprox":

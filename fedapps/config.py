@@ -124,10 +124,34 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"task '{cfg.task.name}' needs a causal LM, but model '{cfg.model.name}' is {kind}")
     if cfg.task.kind == "image" and kind != "vision":
         raise ConfigError(f"task '{cfg.task.name}' needs a vision model, but model '{cfg.model.name}' is {kind}")
-    if cfg.algorithm.trainable == "lora" and kind != "causal_lm":
-        raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM; use fedavg-full for '{cfg.model.name}'")
+    allowed = cfg.algorithm.get("models")
+    if allowed and kind not in allowed:
+        raise ConfigError(f"algorithm '{cfg.algorithm.name}' runs on {' or '.join(map(str, allowed))} models, but "
+                          f"model '{cfg.model.name}' is {kind}")
+    if cfg.algorithm.trainable == "lora" and kind not in ("causal_lm", "vision"):
+        raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
+                          f"use fedavg-full for '{cfg.model.name}'")
+    _check_uplink(cfg.algorithm)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_uplink(algorithm) -> None:
+    """``algorithm.payload`` / ``uplink`` / ``compression`` make a format the strategy accepts."""
+    from strategies.compress import UPDATE_FORMATS, check_format
+
+    fmt = str(algorithm.get("payload", "fp32"))
+    if fmt not in UPDATE_FORMATS:
+        raise ConfigError(f"algorithm.payload '{fmt}' is not a payload format; valid: {', '.join(UPDATE_FORMATS)}")
+    if fmt in ("topk", "powersgd"):
+        if algorithm.get("trainable") != "full" or str(algorithm.get("uplink", "absolute")) != "delta":
+            raise ConfigError(f"algorithm.payload={fmt} compresses full-weight updates: use algorithm=topk-ef or "
+                              "algorithm=powersgd (trainable: full, uplink: delta)")
+        comp = algorithm.get("compression") or {}
+        try:
+            check_format(fmt, comp.get("topk_fraction"), comp.get("powersgd_rank"))
+        except ValueError as err:
+            raise ConfigError(f"algorithm.compression: {err}") from None
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -136,5 +160,24 @@ def to_yaml(cfg: DictConfig) -> str:
 
 def from_yaml(text: str) -> DictConfig:
     cfg = OmegaConf.create(text)
+    _check_uplink(cfg.algorithm)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_uplink(algorithm) -> None:
+    """``algorithm.payload`` / ``uplink`` / ``compression`` make a format the strategy accepts."""
+    from strategies.compress import UPDATE_FORMATS, check_format
+
+    fmt = str(algorithm.get("payload", "fp32"))
+    if fmt not in UPDATE_FORMATS:
+        raise ConfigError(f"algorithm.payload '{fmt}' is not a payload format; valid: {', '.join(UPDATE_FORMATS)}")
+    if fmt in ("topk", "powersgd"):
+        if algorithm.get("trainable") != "full" or str(algorithm.get("uplink", "absolute")) != "delta":
+            raise ConfigError(f"algorithm.payload={fmt} compresses full-weight updates: use algorithm=topk-ef or "
+                              "algorithm=powersgd (trainable: full, uplink: delta)")
+        comp = algorithm.get("compression") or {}
+        try:
+            check_format(fmt, comp.get("topk_fraction"), comp.get("powersgd_rank"))
+        except ValueError as err:
+            raise ConfigError(f"algorithm.compression: {err}") from None

@@ -18,8 +18,8 @@ from clients.train import evaluate as evaluate_model
 from clients.train import local_train
 from fedapps import server_app
 from fedapps.algorithms import ServerPlan
-from fedapps.baselines import round_seed
-from fedapps.session import ClientSetupError, client_config, reply, session
+from fedapps.baselines import round_seed, uplink_kwargs
+from fedapps.session import ClientSetupError, client_config, reply, session, uplink_record
 from strategies import codec
 from strategies.flite import FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
 
@@ -61,11 +61,8 @@ def train(msg: Message, context: Context) -> Message:
     seed = round_seed(cfg, int(msg.content["config"]["server-round"]), s.partition_id)
     metrics = local_train(s.model, s.task, cfg.train, seed=seed)
     metrics["partition-id"] = s.partition_id
-    z = get_latents(s.model)
-    if msg.content["config"].get("flite-uplink", "absolute") == "delta":
-        z = z - received
-    rng = np.random.default_rng(seed) if cfg.algorithm.payload == "int4" else None
-    out = reply(msg, metrics, codec.encode({LATENT_KEY: z}, str(cfg.algorithm.payload), rng=rng))
+    arrays = uplink_record(cfg, context, {LATENT_KEY: get_latents(s.model)}, {LATENT_KEY: received}, seed)
+    out = reply(msg, metrics, arrays)
     out.content[FINGERPRINT_RECORD] = ConfigRecord({"fingerprint": s.extra["fingerprint"]})
     return out
 
@@ -97,9 +94,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         min_clients=cfg.strategy.min_clients,
         fraction_train=float(cfg.strategy.fraction_train),
         fraction_evaluate=float(cfg.strategy.fraction_evaluate),
-        uplink_format=str(cfg.algorithm.payload),
         downlink_format=str(cfg.algorithm.downlink),
-        uplink=str(cfg.algorithm.uplink),
+        **uplink_kwargs(cfg.algorithm),
         on_round_end=on_round_end,
     )
 

@@ -166,3 +166,39 @@ def _metric(value):
     if isinstance(value, int):
         return value
     return float(value)
+
+
+UPDATE_MEMORY = "postcard.update-memory"  # context.state: error-feedback residuals, PowerSGD warm starts
+
+
+def uplink_record(cfg, context: Context, local: dict, received: dict, seed: int):
+    """This round's uplink ArrayRecord in the algorithm's format (``algorithm.payload``).
+
+    ``algorithm.uplink='delta'`` sends ``local − received`` (``topk``/``powersgd`` need it),
+    compressed by :class:`strategies.compress.UpdateCompressor`; its error-feedback
+    residuals and warm starts stay on this node in ``context.state``. int4 rounds
+    stochastically, seeded by ``seed``.
+    """
+    import numpy as np
+
+    from strategies import codec
+    from strategies.compress import UpdateCompressor
+
+    algorithm = cfg.algorithm
+    fmt = str(algorithm.payload)
+    comp = algorithm.get("compression") or {}
+    compressor = UpdateCompressor(fmt, fraction=comp.get("topk_fraction"), rank=comp.get("powersgd_rank"),
+                                  error_feedback=bool(comp.get("error_feedback", True)), seed=int(cfg.seed))
+    if str(algorithm.get("uplink", "absolute")) == "delta":
+        values = {k: np.asarray(v, np.float32) - np.asarray(received[k], np.float32) for k, v in local.items()}
+    else:
+        values = {k: np.asarray(v, np.float32) for k, v in local.items()}
+    memory = {}
+    if compressor.error_feedback or fmt == "powersgd":
+        if UPDATE_MEMORY in context.state.array_records:
+            memory = codec.decode(context.state.array_records[UPDATE_MEMORY])
+    rng = np.random.default_rng(seed) if fmt == "int4" else None
+    record, memory = compressor.compress(values, memory, rng=rng)
+    if memory:
+        context.state[UPDATE_MEMORY] = codec.encode(memory, "fp32")
+    return record

@@ -34,12 +34,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import codec
+from strategies import codec, compress
 from strategies.codec import PayloadError
 
 CONFIG_RECORD = "postcard"  # ConfigRecord holding the resolved YAML (first message to a node)
 NUM_EXAMPLES = "num-examples"
 
+UPLINKS = ("absolute", "delta")  # what clients send: their values, or their update (local − received)
 RoundRecord = dict
 
 
@@ -81,6 +82,9 @@ class PayloadFedAvg(FedAvg):
         fraction_evaluate: float = 1.0,
         uplink_format: str = "fp32",
         downlink_format: str = "fp32",
+        uplink: str = "absolute",
+        topk_fraction: float | None = None,
+        powersgd_rank: int | None = None,
         uplink_keys: Iterable[str] | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
@@ -92,9 +96,13 @@ class PayloadFedAvg(FedAvg):
             min_evaluate_nodes=min_clients,
             min_available_nodes=min_clients,
         )
-        for fmt in (uplink_format, downlink_format):
-            if fmt not in codec.FORMATS:
-                raise ValueError(f"unknown payload format '{fmt}'; choose one of {sorted(codec.FORMATS)}")
+        if downlink_format not in codec.FORMATS:
+            raise ValueError(f"unknown downlink format '{downlink_format}'; choose one of {sorted(codec.FORMATS)}")
+        compress.check_format(uplink_format, topk_fraction, powersgd_rank)
+        if uplink not in UPLINKS:
+            raise ValueError(f"uplink must be one of {list(UPLINKS)}, got {uplink!r}")
+        if uplink_format in ("topk", "powersgd") and uplink != "delta":
+            raise ValueError(f"uplink format '{uplink_format}' compresses updates: it needs uplink='delta'")
         self.global_state = {k: np.asarray(v, dtype=np.float32).copy() for k, v in initial_state.items()}
         self.uplink_keys = sorted(uplink_keys) if uplink_keys is not None else sorted(self.global_state)
         missing = set(self.uplink_keys) - set(self.global_state)
@@ -103,6 +111,9 @@ class PayloadFedAvg(FedAvg):
         self.config_yaml = config_yaml
         self.uplink_format = uplink_format
         self.downlink_format = downlink_format
+        self.uplink = uplink
+        self.uplink_budget = compress.max_nbytes(self.layout(), uplink_format, fraction=topk_fraction,
+                                                 rank=powersgd_rank)
         self.on_round_end = on_round_end
         self.configured_nodes: set[int] = set()
         self.history: list[RoundRecord] = []
@@ -118,6 +129,7 @@ class PayloadFedAvg(FedAvg):
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
         """Per-node train config; subclasses add method-specific keys."""
+        config["uplink"] = self.uplink
         return config
 
     def _start_round(self, server_round: int) -> None:
@@ -194,20 +206,33 @@ class PayloadFedAvg(FedAvg):
         num_examples = metrics[NUM_EXAMPLES]
         if not isinstance(num_examples, int) or num_examples <= 0:
             raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {num_examples!r}")
-        tensors = codec.decode(content.array_records[self.arrayrecord_key])
+        record = content.array_records[self.arrayrecord_key]
         expected = self.layout()
-        if set(tensors) != set(expected):
-            extra = sorted(set(tensors) - set(expected))[:3]
-            missing = sorted(set(expected) - set(tensors))[:3]
+        if set(record) != set(expected):
+            extra = sorted(set(record) - set(expected))[:3]
+            missing = sorted(set(expected) - set(record))[:3]
             raise PayloadError(f"wrong key set (unexpected {extra}, missing {missing})")
+        tensors = codec.decode(record)
         for key, shape in expected.items():
             if tuple(tensors[key].shape) != shape:
                 raise PayloadError(f"tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}")
+        nbytes = codec.payload_bytes(record)
+        if nbytes > self.uplink_budget:
+            raise PayloadError(f"the payload carries {nbytes} bytes, more than the {self.uplink_budget} "
+                               f"its format '{self.uplink_format}' allows")
         return tensors, num_examples
 
     def aggregate_payloads(self, payloads: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
-        """Combine accepted payloads into the new values of the uplink keys."""
-        return weighted_mean(payloads, [float(w) for w in weights])
+        """Combine accepted payloads into the new values of the uplink keys.
+
+        ``uplink='absolute'``: the weighted mean of the clients' values. ``uplink='delta'``:
+        the clients sent ``local − received``; the weighted mean update is added to the
+        fp32 global state (the same result in fp32, but compressible: updates are small).
+        """
+        mean = weighted_mean(payloads, [float(w) for w in weights])
+        if self.uplink == "absolute":
+            return mean
+        return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in mean.items()}
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._start_round(server_round)

@@ -4,7 +4,10 @@ A payload is a ``dict[str, np.ndarray]`` of named tensors. On the wire it is one
 ``ArrayRecord`` whose ``Array``s carry the raw little-endian bytes of each tensor (no
 ``.npy`` header), so that the bytes counted are exactly the bytes the method needs:
 ``nbytes`` for fp32, and for int4 the packed nibbles plus one fp32 scale and one fp32 zero
-point per tensor (``strategies.int4``).
+point per tensor (``strategies.int4``). Compressed *updates* have two more stypes
+(``strategies.compress``): ``postcard.topk`` (uint32 flat indices, strictly increasing,
+then their fp32 values) and ``postcard.lowrank`` (fp32 factors ``P`` (m×r) then ``Q``
+(n×r) of ``M ≈ P Qᵀ``, ``M`` the tensor as ``shape[0] × rest``); both decode to dense.
 
 Every decode validates what it reads (known stype, dtype, byte length matching the shape,
 finite values) and raises :class:`PayloadError` with a reason; strategies turn that into a
@@ -20,6 +23,8 @@ from flwr.app import Array, ArrayRecord
 
 FP32 = "postcard.fp32"
 INT4 = "postcard.int4"
+TOPK = "postcard.topk"
+LOWRANK = "postcard.lowrank"
 FORMATS = {"fp32": FP32, "int4": INT4}
 
 
@@ -56,6 +61,60 @@ def encode(tensors: Mapping[str, np.ndarray], fmt: str = "fp32", rng: np.random.
     return record
 
 
+def fp32_array(shape: tuple[int, ...], values: np.ndarray) -> Array:
+    arr = _as_fp32("tensor", values).reshape(shape)
+    return Array(dtype="float32", shape=tuple(int(s) for s in shape), stype=FP32, data=arr.astype("<f4").tobytes())
+
+
+def topk_array(shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray) -> Array:
+    """A sparse tensor of dense shape ``shape``: ``values`` at flat ``indices`` (increasing)."""
+    idx = np.asarray(indices, dtype="<u4")
+    vals = _as_fp32("topk values", values).astype("<f4")
+    if idx.shape != vals.shape or idx.ndim != 1:
+        raise ValueError(f"top-k needs as many indices as values, got {idx.shape} and {vals.shape}")
+    return Array(dtype="float32", shape=tuple(int(s) for s in shape), stype=TOPK, data=idx.tobytes() + vals.tobytes())
+
+
+def lowrank_array(shape: tuple[int, ...], p: np.ndarray, q: np.ndarray) -> Array:
+    """A tensor of shape ``shape`` as rank-r factors: ``reshape(P Qᵀ, shape)``."""
+    m, n = shape[0], int(np.prod(shape[1:]))
+    p = _as_fp32("lowrank P", p)
+    q = _as_fp32("lowrank Q", q)
+    if p.ndim != 2 or q.ndim != 2 or p.shape[0] != m or q.shape[0] != n or p.shape[1] != q.shape[1]:
+        raise ValueError(f"factors {p.shape} and {q.shape} do not make a {m}x{n} matrix")
+    return Array(dtype="float32", shape=tuple(int(s) for s in shape), stype=LOWRANK,
+                 data=p.astype("<f4").tobytes() + q.astype("<f4").tobytes())
+
+
+def _decode_topk(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    numel = int(np.prod(shape)) if shape else 1
+    if len(data) % 8 or not 0 < len(data) // 8 <= numel:
+        raise PayloadError(f"tensor '{name}' carries {len(data)} bytes, not 8·k with 1 <= k <= {numel}")
+    k = len(data) // 8
+    idx = np.frombuffer(data[: 4 * k], dtype="<u4").astype(np.int64)
+    vals = np.frombuffer(data[4 * k:], dtype="<f4")
+    if idx[-1] >= numel or (k > 1 and np.any(np.diff(idx) <= 0)):
+        raise PayloadError(f"tensor '{name}': top-k indices must be strictly increasing and below {numel}")
+    out = np.zeros(numel, np.float32)
+    out[idx] = vals
+    return out.reshape(shape)
+
+
+def _decode_lowrank(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) < 2:
+        raise PayloadError(f"tensor '{name}' of shape {shape} cannot be low-rank (needs >= 2 dimensions)")
+    m, n = shape[0], int(np.prod(shape[1:]))
+    per_rank = 4 * (m + n)
+    rank = len(data) // per_rank
+    if len(data) % per_rank or not 1 <= rank <= min(m, n):
+        raise PayloadError(f"tensor '{name}' carries {len(data)} bytes, not 4·r·({m}+{n}) with 1 <= r <= {min(m, n)}")
+    p = np.frombuffer(data[: 4 * m * rank], dtype="<f4").reshape(m, rank)
+    q = np.frombuffer(data[4 * m * rank:], dtype="<f4").reshape(n, rank)
+    if not (np.all(np.isfinite(p)) and np.all(np.isfinite(q))):
+        raise PayloadError(f"tensor '{name}' holds NaN or Inf")
+    return (p @ q.T).reshape(shape).astype(np.float32)
+
+
 def expected_nbytes(shape: tuple[int, ...], stype: str) -> int:
     numel = int(np.prod(shape)) if shape else 1
     if stype == FP32:
@@ -74,6 +133,13 @@ def decode(record: ArrayRecord) -> dict[str, np.ndarray]:
         shape = tuple(int(s) for s in array.shape)
         if array.dtype != "float32":
             raise PayloadError(f"tensor '{name}' has dtype {array.dtype}, expected float32")
+        if array.stype in (TOPK, LOWRANK):
+            decoder = _decode_topk if array.stype == TOPK else _decode_lowrank
+            arr = decoder(name, array.data, shape)
+            if not np.all(np.isfinite(arr)):
+                raise PayloadError(f"tensor '{name}' holds NaN or Inf")
+            out[name] = arr
+            continue
         want = expected_nbytes(shape, array.stype)
         if len(array.data) != want:
             raise PayloadError(f"tensor '{name}' carries {len(array.data)} bytes, expected {want} for shape {shape}")

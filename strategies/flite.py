@@ -9,7 +9,6 @@ before its numbers are read.
 
 from __future__ import annotations
 
-import numpy as np
 from flwr.app import ConfigRecord
 
 from strategies.base import PayloadFedAvg
@@ -20,32 +19,22 @@ FINGERPRINT_RECORD = "flite"
 
 
 class FliteStrategy(PayloadFedAvg):
-    """``uplink='delta'``: clients send ``z_local − z_received`` (small values, so int4's 16
-    levels resolve them far better than absolute latents); the server adds the weighted
-    mean update to its fp32 ``z``. ``uplink='absolute'``: clients send ``z`` and the server
-    averages it. Both give the same global ``z`` in fp32."""
+    """``uplink='delta'`` (default): clients send ``z_local − z_received`` (small values, so
+    int4's 16 levels resolve them far better than absolute latents); the server adds the
+    weighted mean update to its fp32 ``z``. ``uplink='absolute'``: clients send ``z`` and
+    the server averages it. Both give the same global ``z`` in fp32."""
 
     def __init__(self, *, fingerprint: str, uplink: str = "delta", **kwargs) -> None:
         if not fingerprint:
             raise ValueError("FLITE needs the fingerprint of its parametrisation")
-        if uplink not in ("delta", "absolute"):
-            raise ValueError(f"FLITE uplink must be 'delta' or 'absolute', got {uplink!r}")
-        super().__init__(**kwargs)
-        self.uplink = uplink
+        super().__init__(uplink=uplink, **kwargs)
         if self.uplink_keys != [LATENT_KEY]:
             raise ValueError(f"FLITE federates one latent vector '{LATENT_KEY}', got keys {self.uplink_keys}")
         self.fingerprint = fingerprint
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
         config["flite-fingerprint"] = self.fingerprint
-        config["flite-uplink"] = self.uplink
-        return config
-
-    def aggregate_payloads(self, payloads, weights):
-        mean = super().aggregate_payloads(payloads, weights)
-        if self.uplink == "absolute":
-            return mean
-        return {LATENT_KEY: (self.global_state[LATENT_KEY].astype(np.float64) + mean[LATENT_KEY]).astype(np.float32)}
+        return super().train_config_for(server_round, node_id, config)
 
     def validate_reply(self, msg):
         record = msg.content.config_records.get(FINGERPRINT_RECORD)

@@ -58,7 +58,8 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(overrides="train.lrr=1"), "train.lrr"),
         (dict(overrides="rounds=abc"), "rounds must be an integer"),
         (dict(overrides="train.lr=-1"), "train.lr must be > 0"),
-        (dict(task="cifar10"), "use fedavg-full"),
+        (dict(task="cifar10", algorithm="fednl"), "runs on causal_lm models"),
+        (dict(task="cifar10", algorithm="smartfed"), "runs on causal_lm models"),
         (dict(task="mmlu", overrides="model=tiny-cnn algorithm=fedavg-full"), "needs a causal LM"),
     ],
 )

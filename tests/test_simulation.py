@@ -49,15 +49,31 @@ def test_lora_payload_sizes_follow_the_algorithm(outputs):
     assert b_only == full / 2
 
 
-def test_vision_fedavg_full_on_fashion_mnist_learns(outputs):
+@pytest.mark.parametrize("algorithm, payload, extra", [
+    ("fedavg-full", "fp32", []), ("fedavg-full", "int4", []),
+    ("topk-ef", "topk", ["algorithm.compression.topk_fraction=0.1"]),  # 1% needs more than 3 short rounds
+    ("powersgd", "powersgd", ["algorithm.compression.powersgd_rank=8"]),
+])
+def test_vision_full_weight_updates_learn_compressed_or_not(algorithm, payload, extra, outputs):
+    """FLITE's baselines: full fine-tuning whose updates travel in fp32, int4, top-k+EF or PowerSGD."""
+    from strategies.compress import max_nbytes
+
     cfg = compose(
         ["model=tiny-cnn", "partition=iid", "rounds=3", "train.local_steps=10", "train.batch_size=32",
-         "train.lr=3e-3", "eval.max_batches=4", "eval.batch_size=64", "task.max_examples=2000"],
-        task="fmnist", algorithm="fedavg-full", preset="none",
+         "train.lr=3e-3", "eval.max_batches=4", "eval.batch_size=64", "task.max_examples=2000",
+         f"algorithm.payload={payload}", "num_clients=2", *extra],
+        task="fmnist", algorithm=algorithm, preset="none",
     )
-    cfg.num_clients = 2
     summary = simulate(cfg)
+    assert summary["refused_replies"] == 0
     assert summary["final_metric"] > summary["initial_metric"] + 0.1
+    from fedapps.baselines import prepare
+
+    model, _, extra = prepare(cfg)
+    layout = {n: tuple(p.shape) for n, p in model.named_parameters() if n in extra["names"]}
+    comp = cfg.algorithm.compression or {}
+    expected = max_nbytes(layout, payload, fraction=comp.get("topk_fraction"), rank=comp.get("powersgd_rank"))
+    assert summary["uplink_bytes_per_client_round"] == expected
 
 
 def test_the_saved_global_adapter_reproduces_the_final_evaluation(outputs):

@@ -21,7 +21,6 @@ from clients.models.mobilenet import (
     FEATURE_DIM,
     load_imagenet_state_dict,
     mobilenet_v2,
-    orthogonal_head_,
 )
 from clients.tasks import vision
 
@@ -169,22 +168,6 @@ def test_mobilenet_v2_new_head_and_random_init():
         mobilenet_v2(num_classes=0, pretrained=False)
 
 
-def test_orthogonal_head_is_orthonormal_seeded_and_leaves_global_rng_alone():
-    head = torch.nn.Linear(FEATURE_DIM, 100)
-    rng_state = torch.get_rng_state()
-    orthogonal_head_(head, seed=3)
-    assert torch.equal(torch.get_rng_state(), rng_state)
-    w = head.weight.detach().double()
-    torch.testing.assert_close(w @ w.T, torch.eye(100, dtype=torch.float64), atol=1e-5, rtol=0)
-    assert torch.count_nonzero(head.bias) == 0
-
-    again = orthogonal_head_(torch.nn.Linear(FEATURE_DIM, 100), seed=3)
-    other = orthogonal_head_(torch.nn.Linear(FEATURE_DIM, 100), seed=4)
-    assert torch.equal(again.weight, head.weight) and not torch.equal(other.weight, head.weight)
-    with pytest.raises(ValueError, match="out_features <= in_features"):
-        orthogonal_head_(torch.nn.Linear(8, 16))
-
-
 @pytest.fixture(scope="module")
 def cifar_imagenet_features():
     """Frozen ImageNet features (and ImageNet logits) of 800 CIFAR-10 images at 96 px."""
@@ -253,3 +236,25 @@ def test_tiny_cnn_rejects_bad_input():
         TinyCNN(3, 10, norm="layer")
     with pytest.raises(ValueError, match="num_classes must be >= 1"):
         TinyCNN(3, 0)
+
+
+def test_fedavg_lora_on_mobilenet_adapts_every_pointwise_conv_under_a_frozen_orthogonal_head():
+    from clients.adapters import pointwise_convs
+    from fedapps.baselines import prepare
+    from fedapps.config import compose
+
+    cfg = compose(task="cifar10", algorithm="fedavg-lora")
+    model, _, extra = prepare(cfg)
+    base = mobilenet_v2(num_classes=10)
+    convs = pointwise_convs(base)
+    assert len(convs) == 34 and all(f"{c}.lora_A.default.weight" in " ".join(extra["names"]) for c in convs)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(extra["names"]) and all("lora_" in n for n in trainable)
+    head = model.get_base_model().head
+    w = head.weight.detach().double()
+    torch.testing.assert_close(w @ w.T, torch.eye(10, dtype=torch.float64), atol=1e-5, rtol=0)
+    from clients.flite import orthogonal_head_
+
+    orthogonal_head_(base.head, seed=int(cfg.seed))  # LoRA's B starts at 0: the backbone's outputs
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(model(x), base.eval()(x))

@@ -132,30 +132,6 @@ def default_head_(linear: nn.Linear) -> nn.Linear:
     return linear
 
 
-def orthogonal_head_(linear: nn.Linear, seed: int = 0, gain: float = 1.0) -> nn.Linear:
-    """Initialise a classification head with orthonormal rows (times ``gain``) and zero bias.
-
-    Used for FLITE's frozen orthogonal classifier, which is never trained nor sent: every
-    client and the server must build the *same* head, so it is drawn from its own
-    generator seeded with ``seed`` and does not depend on (or advance) the global RNG.
-    Requires ``out_features <= in_features`` (more rows than dimensions cannot be orthogonal).
-    """
-    n_out, n_in = linear.weight.shape
-    if n_out > n_in:
-        raise ValueError(
-            f"an orthogonal head needs out_features <= in_features, got {n_out} > {n_in}"
-        )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        gaussian = torch.randn(n_in, n_out, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(gaussian)  # q: (n_in, n_out), orthonormal columns
-        q = q * torch.sign(torch.diagonal(r))  # fix signs so the draw is uniform (Haar)
-        linear.weight.copy_((gain * q.T).to(linear.weight.dtype))
-        if linear.bias is not None:
-            linear.bias.zero_()
-    return linear
-
-
 def load_imagenet_state_dict() -> dict[str, torch.Tensor]:
     """The embedded ImageNet-1k checkpoint (torchvision IMAGENET1K_V1, top-1 71.9%)."""
     path = mobilenet_v2_weights()
@@ -172,7 +148,7 @@ def mobilenet_v2(num_classes: int = 1000, pretrained: bool = True, dropout: floa
 
     With ``num_classes != 1000`` the 1000-way ImageNet head is replaced by a new
     ``Linear(1280, num_classes)`` initialised like torchvision's (``default_head_``); call
-    ``orthogonal_head_(model.head)`` or any other init on it to choose differently.
+    ``clients.flite.orthogonal_head_(model.head)`` or any other init on it to choose differently.
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
