@@ -17,14 +17,14 @@ BIGBENCH_SDIST := $(POSTCARD_CACHE)/downloads/bigbench-1.0.0.tar.gz
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 DEMO_CLIENTS ?= 4
-DEMO_CONFIG ?= preset='quick'
+DEMO_ARGS ?=
 DEPLOY_NODES ?= 3
 DEPLOY_CONFIG ?= preset='test' overrides='num_clients=$(DEPLOY_NODES) rounds=2 train.local_steps=4'
 
 .PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast test-deploy-all bench clean stop-superlink deploy-local
 
 help:
-	@echo "make demo    - set up, then federated LoRA fine-tuning of SmolLM2 via 'flwr run .'"
+	@echo "make demo    - set up, then FedAvg-LoRA, FedNL, FLITE and SmartFed on SmolLM2 via 'flwr run .' (~15 min), one table"
 	@echo "make test    - set up, then run the test suite"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run the benchmark scripts (bench/)"
@@ -60,11 +60,9 @@ assets: $(VENV)/.assets assets-cifar10 assets-fmnist
 	$(PY) -m clients.assets
 
 demo: assets
-	@echo "== Postcard demo: fedavg-lora fine-tunes SmolLM2-135M on Shakespeare, $(DEMO_CLIENTS) clients (one per play) =="
+	@echo "== Postcard demo: fedavg-lora, FedNL, FLITE (int4) and SmartFed fine-tune SmolLM2-135M on Shakespeare, $(DEMO_CLIENTS) clients (one per play) =="
 	set -o pipefail; status=0; \
-	flwr run . --stream \
-	  --federation-config "num-supernodes=$(DEMO_CLIENTS) client-resources-num-cpus=1" \
-	  --run-config "$(DEMO_CONFIG) output-dir='$(CURDIR)/outputs'" || status=$$?; \
+	$(PY) -m fedapps.demo --clients $(DEMO_CLIENTS) $(DEMO_ARGS) || status=$$?; \
 	$(MAKE) -s stop-superlink; exit $$status
 
 # Deployment rehearsal on loopback (docs/deploy.md): TLS certificates and SuperNode keys made on

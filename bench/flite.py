@@ -109,20 +109,8 @@ def config_for(args, method: str, partition: str):
     return compose(items, task="cifar10", algorithm=algorithm, preset="none")
 
 
-def cumulative_uplink(run_dir: str, metric: str) -> list[tuple[int, float, float]]:
-    """(round, metric, cumulative uplink payload bytes per client) after every round."""
-    points, total = [], 0.0
-    with open(Path(run_dir) / "metrics.jsonl") as handle:
-        for line in handle:
-            record = json.loads(line)
-            ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
-            total += sum(ups) / len(ups) if ups else 0.0
-            if record["eval"].get(metric) is not None:
-                points.append((record["round"], record["eval"][metric], total))
-    return points
-
-
 def run_all(args) -> dict:
+    from fedapps.outputs import cumulative_curve
     from fedapps.simulation import simulate
 
     results = {"runs": {}, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "lr")}}
@@ -144,7 +132,7 @@ def run_all(args) -> dict:
                 "uplink_bytes_per_client_round": summary["uplink_bytes_per_client_round"],
                 "downlink_bytes_per_client_round": summary["downlink_bytes_per_client_round"],
                 "refused_replies": summary["refused_replies"], "seconds": seconds,
-                "curve": cumulative_uplink(summary["run_dir"], "accuracy"), "run_dir": summary["run_dir"],
+                "curve": cumulative_curve(summary["run_dir"], "accuracy"), "run_dir": summary["run_dir"],
             }
             log(f"    accuracy {summary['initial_metric']:.4f} -> {summary['final_metric']:.4f}, "
                 f"uplink {summary['uplink_bytes_per_client_round']:,.0f} B/client/round, {seconds:.0f} s")

@@ -7,13 +7,13 @@
 
 Each run is an in-process Flower simulation (Ray) with ``num_clients`` SuperNodes (the
 task's default when unset) and writes its usual run folder. After a sweep, the folder of
-the sweep gets ``comparison.md`` and ``comparison.csv``: one row per configuration.
+the sweep gets ``comparison.md``, ``comparison.csv`` (one row per configuration) and
+``comparison.png`` (metric against cumulative uplink bytes per client).
 ``flwr run .`` runs the same configurations through a SuperLink.
 """
 
 from __future__ import annotations
 
-import csv
 import sys
 from pathlib import Path
 
@@ -23,45 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedapps.config import CONF_DIR, ConfigError, finalize
-
-COLUMNS = ("algorithm", "task", "model", "partition", "rounds", "num_clients", "metric",
-           "initial_metric", "final_metric", "uplink_bytes_per_client_round",
-           "downlink_bytes_per_client_round", "wall_seconds", "run_dir")
-
-
-def comparison_rows(summaries: list[dict]) -> list[dict]:
-    rows = [{k: s.get(k) for k in COLUMNS} for s in summaries]
-    base = next((r["uplink_bytes_per_client_round"] for r in rows if r["algorithm"] == "fedavg-lora"), None)
-    for row in rows:
-        up = row["uplink_bytes_per_client_round"]
-        row["uplink_vs_fedavg_lora"] = round(up / base, 6) if base and up else None
-    return rows
-
-
-def write_comparison(summaries: list[dict], folder: Path) -> Path:
-    """comparison.md and comparison.csv: one row per run."""
-    rows = comparison_rows(summaries)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "comparison.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    shown = ["algorithm", "task", "model", "partition", "metric", "initial_metric", "final_metric",
-             "uplink_bytes_per_client_round", "uplink_vs_fedavg_lora", "wall_seconds"]
-    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    for row in rows:
-        lines.append("| " + " | ".join(_fmt(row[k]) for k in shown) + " |")
-    (folder / "comparison.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\ncomparison written to {folder / 'comparison.md'} and comparison.csv")
-    return folder / "comparison.md"
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
-    return "-" if value is None else str(value)
-
+from fedapps.outputs import write_comparison
 
 class ComparisonTable(Callback):
     """Hydra callback: collect each job's summary; write the table when the sweep ends."""

@@ -7,6 +7,7 @@ SuperLink's, so relative paths would land somewhere surprising).
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import json
 import os
@@ -142,3 +143,95 @@ def plot_run(history: list[dict], metric: str, folder: Path) -> None:
     fig.tight_layout()
     fig.savefig(folder / "metrics.png", dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- comparisons
+COLUMNS = ("algorithm", "task", "model", "partition", "rounds", "num_clients", "metric",
+           "initial_metric", "final_metric", "uplink_bytes_per_client_round",
+           "downlink_bytes_per_client_round", "wall_seconds", "run_dir")
+
+
+def comparison_rows(summaries: list[dict]) -> list[dict]:
+    rows = [{k: s.get(k) for k in COLUMNS} for s in summaries]
+    base = next((r["uplink_bytes_per_client_round"] for r in rows if r["algorithm"] == "fedavg-lora"), None)
+    for row in rows:
+        up = row["uplink_bytes_per_client_round"]
+        row["uplink_vs_fedavg_lora"] = round(up / base, 6) if base and up else None
+    return rows
+
+
+def write_comparison(summaries: list[dict], folder: Path) -> Path:
+    """comparison.md, comparison.csv (one row per run) and comparison.png (the curves)."""
+    rows = comparison_rows(summaries)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "comparison.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    shown = ["algorithm", "task", "model", "partition", "metric", "initial_metric", "final_metric",
+             "uplink_bytes_per_client_round", "uplink_vs_fedavg_lora", "wall_seconds"]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for row in rows:
+        cells = {k: _fmt(row[k]) for k in shown}
+        ratio = row["uplink_vs_fedavg_lora"]
+        if ratio and ratio < 1:
+            cells["uplink_vs_fedavg_lora"] = f"{ratio:.3g} ({1 / ratio:,.0f}× fewer)"
+        lines.append("| " + " | ".join(cells[k] for k in shown) + " |")
+    (folder / "comparison.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        plot_comparison(summaries, folder / "comparison.png")
+        plotted = ", comparison.png"
+    except Exception as err:  # a plot must never lose the table
+        plotted = f" (plot skipped: {err})"
+    print(f"\ncomparison written to {folder / 'comparison.md'}, comparison.csv{plotted}")
+    return folder / "comparison.md"
+
+
+def cumulative_curve(run_dir: str | Path, metric: str) -> list[tuple[int, float, float]]:
+    """(round, metric, cumulative uplink payload bytes per client) for every evaluated round."""
+    points, total = [], 0.0
+    with open(Path(run_dir) / "metrics.jsonl") as handle:
+        for line in handle:
+            record = json.loads(line)
+            ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
+            total += sum(ups) / len(ups) if ups else 0.0
+            if record["eval"].get(metric) is not None:
+                points.append((record["round"], record["eval"][metric], total))
+    return points
+
+
+def plot_comparison(summaries: list[dict], path: Path) -> None:
+    """Each run's metric against the uplink bytes one client has sent so far (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = sorted({s["metric"] for s in summaries})
+    fig, axes = plt.subplots(1, len(metrics), figsize=(7 * len(metrics), 4.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for summary in (s for s in summaries if s["metric"] == metric):
+            curve = cumulative_curve(summary["run_dir"], metric)
+            if not curve:
+                continue
+            start = [(b, m) for _, m, b in curve if b == 0][:1]
+            xs = [b for _, _, b in curve if b > 0]
+            ys = [m for _, m, b in curve if b > 0]
+            line, = ax.plot(xs, ys, marker="o", label=summary["algorithm"])
+            if start and xs:  # round 0 (nothing sent yet) drawn at the first round's x, hollow
+                ax.plot([xs[0]], [start[0][1]], marker="o", mfc="none", color=line.get_color())
+        ax.set_xscale("log")
+        ax.set(xlabel="cumulative uplink bytes per client", ylabel=metric,
+               title=f"{metric} vs bytes sent (hollow: round 0, before any upload)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return "-" if value is None else str(value)

@@ -24,6 +24,7 @@ def test_sweep_writes_a_comparison_table(tmp_path):
     assert [r["algorithm"] for r in rows] == ["fedavg-lora", "ffa-lora"]
     assert float(rows[1]["uplink_vs_fedavg_lora"]) < 1.0
     assert (tables[0].parent / "comparison.md").exists()
+    assert (tables[0].parent / "comparison.png").exists()  # metric vs cumulative uplink bytes
 
 
 def test_cli_refuses_a_bad_choice_with_the_valid_ones(tmp_path):

@@ -1,0 +1,143 @@
+"""``make demo``: the whole mission in one command — four methods, one task, one table.
+
+    python -m fedapps.demo                      # SmolLM2-135M, Shakespeare, 4 clients (~15 min, 2 cores)
+    python -m fedapps.demo --methods fedavg-lora flite --overrides "rounds=1"
+    python -m fedapps.demo --model tiny-llama   # a random-init Llama: a wiring check in ~3 min
+
+Runs, one after another, ``flwr run .`` of FedAvg-LoRA (the reference), FedNL, FLITE
+(int4 latents) and SmartFed on the same non-IID task: the embedded SmolLM2 learning
+Shakespeare, one client per play (``task=shakespeare``, natural partition), with the
+``demo`` preset (2 rounds of 4 local steps). SmartFed needs a LoRA knowledge pool: when
+the model's pool lacks the two demo sources (Shakespeare histories and comedies, plays
+the task does not use), they are built first with ``postcard pool build`` (two short
+federated LoRA runs).
+
+Ends with one table (held-out perplexity per method, uplink bytes per client per round,
+ratio to FedAvg-LoRA, wall time) and a plot of perplexity against cumulative uplink bytes
+per client, in ``<outputs>/demo-<time>/comparison.{md,csv,png}``; each method's own run
+folder (metrics.jsonl, summary.json, metrics.png, final state) is next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# method -> Hydra overrides of its run (on top of the demo preset)
+METHODS = {
+    "fedavg-lora": [],
+    "fednl": [],
+    "flite": ["algorithm.payload=int4", "algorithm.downlink=int4", "train.lr=1e-2"],
+    "smartfed": [],
+}
+POOL_SOURCES = "shakespeare-histories,shakespeare-comedies"
+POOL_OVERRIDES = ["rounds=1", "train.local_steps=6", "train.batch_size=4", "train.seq_len=128",
+                  "eval.max_batches=1", "train.lr=1e-3"]
+
+
+def say(message: str) -> None:
+    print(f"\n== [demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fedapps.demo", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--model", default="smollm2", help="a conf/model choice (a causal LM); default smollm2")
+    p.add_argument("--clients", type=int, default=4, help="simulated SuperNodes (one per play); default 4")
+    p.add_argument("--pool", type=Path, default=None,
+                   help="SmartFed's knowledge pool folder (default: $POSTCARD_CACHE/pool/<model>)")
+    p.add_argument("--overrides", default="", help="extra Hydra overrides for every run, e.g. \"rounds=3\"")
+    p.add_argument("--outputs", type=Path, default=Path(os.environ.get("POSTCARD_OUTPUTS", ROOT / "outputs")),
+                   help="where the demo folder goes (default ./outputs or $POSTCARD_OUTPUTS)")
+    args = p.parse_args(argv)
+    if args.clients < 1:
+        p.error("--clients must be >= 1")
+    from fedapps.config import ConfigError, compose
+
+    try:  # fail before any run starts: every method's configuration must compose
+        for method in args.methods:
+            compose([*run_overrides(args, method)], task="shakespeare", algorithm=method, model=args.model,
+                    preset="demo")
+    except ConfigError as err:
+        p.error(str(err))
+    return args
+
+
+def run_overrides(args, method: str) -> list[str]:
+    pool = [f"algorithm.pool={args.pool.resolve()}"] if method == "smartfed" and args.pool else []
+    return [*METHODS[method], *pool, f"num_clients={args.clients}", *shlex.split(args.overrides)]
+
+
+def ensure_pool(args, demo_folder: Path) -> None:
+    """Build the demo's pool sources for this model unless they are pooled already."""
+    from fedapps import pool_cli
+
+    folder = args.pool.resolve() if args.pool else pool_cli.default_pool_dir(args.model)
+    from clients.smartfed.pool import POOL_FILE, Pool
+
+    have = set(Pool(folder).names()) if (folder / POOL_FILE).is_file() else set()
+    missing = [s for s in POOL_SOURCES.split(",") if s not in have]
+    if not missing:
+        say(f"SmartFed pool {folder}: {', '.join(sorted(have))} (already built)")
+        return
+    say(f"SmartFed needs a LoRA knowledge pool: building {', '.join(missing)} in {folder}")
+    status = pool_cli.main(["build", "--sources", ",".join(missing), "--pool", str(folder), f"model={args.model}",
+                            f"output_dir={demo_folder / 'pool-runs'}", *POOL_OVERRIDES])
+    if status:
+        raise SystemExit(f"demo: building the SmartFed pool failed (exit {status})")
+
+
+def flwr_run(args, method: str, folder: Path) -> dict:
+    """``flwr run .`` of one method (streamed to the console); its summary.json."""
+    flwr = shutil.which("flwr", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if flwr is None:
+        raise SystemExit("demo: the `flwr` command is not installed next to this Python (pip install -e .)")
+    overrides = " ".join([f"run_name={method}", f"model={args.model}", *run_overrides(args, method)])
+    run_config = (f"algorithm='{method}' task='shakespeare' preset='demo' output-dir='{folder}' "
+                  f"overrides='{overrides}'")
+    command = [flwr, "run", str(ROOT), "--stream", "--federation-config",
+               f"num-supernodes={args.clients} client-resources-num-cpus=1", "--run-config", run_config]
+    print("$ " + " ".join(shlex.quote(c) for c in command), flush=True)
+    start = time.time()
+    proc = subprocess.run(command, cwd=ROOT)
+    seconds = time.time() - start
+    summary_path = folder / method / "summary.json"
+    if proc.returncode != 0 or not summary_path.is_file():
+        raise SystemExit(f"demo: `flwr run` of {method} failed (exit {proc.returncode}); see its log above")
+    summary = json.loads(summary_path.read_text())
+    summary["wall_seconds"] = round(seconds, 1)  # the whole `flwr run`, as the user waited for it
+    return summary
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from fedapps.outputs import write_comparison
+
+    folder = (args.outputs / f"demo-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
+    folder.mkdir(parents=True)
+    start = time.time()
+    if "smartfed" in args.methods:
+        ensure_pool(args, folder)
+    summaries = []
+    for i, method in enumerate(args.methods, 1):
+        say(f"[{i}/{len(args.methods)}] {method} on Shakespeare ({args.clients} clients, one per play), "
+            f"model {args.model}")
+        summaries.append(flwr_run(args, method, folder))
+    say(f"all {len(args.methods)} methods done in {(time.time() - start) / 60:.1f} min")
+    write_comparison(summaries, folder)
+    print(f"\nplot: {folder / 'comparison.png'}\nrun folders: {folder}/<method>/", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

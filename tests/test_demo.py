@@ -1,0 +1,43 @@
+"""`make demo`'s program (fedapps.demo): four methods through `flwr run`, one table and one plot."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedapps.superlink import stop as stop_superlinks
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_all_four_methods_and_compares_them(tmp_path):
+    flwr_home = tmp_path / "flwr-home"
+    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fedapps.demo", "--model", "tiny-llama", "--clients", "2",
+             "--pool", str(tmp_path / "pool"), "--outputs", str(tmp_path / "out"), "--overrides", "train.seq_len=32"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+        )
+    finally:
+        stop_superlinks(flwr_home)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "building shakespeare-histories, shakespeare-comedies" in log  # SmartFed's pool, made on the spot
+    (demo,) = (tmp_path / "out").iterdir()
+    for name in ("comparison.md", "comparison.csv", "comparison.png"):
+        assert (demo / name).is_file(), name
+    with open(demo / "comparison.csv") as handle:
+        rows = {row["algorithm"]: row for row in csv.DictReader(handle)}
+    assert list(rows) == ["fedavg-lora", "fednl", "flite", "smartfed"]
+    up = {name: float(row["uplink_bytes_per_client_round"]) for name, row in rows.items()}
+    assert up["flite"] == 648  # 1,280 int4 latents
+    assert up["flite"] < min(up["fednl"], up["smartfed"]) and max(up["fednl"], up["smartfed"]) < up["fedavg-lora"]
+    for name, row in rows.items():  # every method learns a little in two short rounds
+        assert float(row["final_metric"]) < float(row["initial_metric"]), name
+    assert f"plot: {demo / 'comparison.png'}" in log
