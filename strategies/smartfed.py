@@ -201,3 +201,32 @@ class SmartFedStrategy(PayloadFedAvg):
             "allocations": self.allocations,
         }
         return self.state.to_tensors(), meta
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
+        """The base checkpoint (every expert's tensors, history) plus EEQA and the allocation."""
+        arrays, meta = super().state_dict()
+        _, smartfed = self.checkpoint()
+        meta["smartfed"] = smartfed
+        return arrays, meta
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
+        """Restore :meth:`state_dict`: experts, EEQA memory and pruning, the next round's allocation."""
+        smartfed = meta.get("smartfed")
+        if smartfed is None:
+            raise ValueError("the checkpoint has no SmartFed state (expert allocation, EEQA): it was not "
+                             "written by a SmartFed run")
+        for key, ours in (("layout_fingerprint", self.layout_fingerprint),
+                          ("backbone_fingerprint", self.backbone_fingerprint)):
+            if smartfed.get(key) != ours:
+                raise ValueError(f"the checkpoint's {key.replace('_', ' ')} {smartfed.get(key)!r} is not this run's "
+                                 f"{ours!r} (another pool or backbone)")
+        super().load_state_dict(arrays, meta)
+        self.state = sparse.ExpertState.from_tensors(self.expert_layout, self.global_state)
+        self.eeqa.load_state_dict(smartfed["eeqa"])
+        active = {m: np.asarray(smartfed["active"].get(m, []), np.int64) for m in self.expert_layout}
+        quotas = {m: int(q) for m, q in smartfed["quotas"].items()}
+        self.allocation = Allocation(quotas=quotas, active=active, pruned={m: np.zeros(0, np.int64) for m in active},
+                                     importance={}, total=int(sum(quotas.values())))
+        self.allocations = list(smartfed.get("allocations", []))
+        self._round_allocation = None
+        self._importance = None

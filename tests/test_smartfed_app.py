@@ -120,6 +120,33 @@ def test_sparse_aggregation_moves_only_updated_experts_and_reallocates():
     assert strategy.eeqa.rounds == 2  # the first allocation and this round's
 
 
+def test_a_resumed_strategy_continues_with_the_same_experts_quotas_and_eeqa_memory(tmp_path):
+    """state_dict -> checkpoint.npz -> a fresh strategy: the next round sees what the old one would."""
+    from fedapps import checkpoint as ckpt
+    from fedapps.config import compose
+
+    strategy, _ = make_strategy(budget=4)
+    strategy.aggregate_train(1, [reply(1, codec.encode(update_for(strategy, 1.0, importance=0.5)), 10),
+                                 reply(2, codec.encode(update_for(strategy, 2.0, importance=3.0)), 30)])
+    arrays, meta = strategy.state_dict()
+    ckpt.save(tmp_path, server_round=1, cfg=compose(preset="test", algorithm="smartfed"), arrays=arrays, meta=meta)
+    saved = ckpt.load(tmp_path)
+    resumed, _ = make_strategy(budget=4)
+    resumed.load_state_dict(saved.arrays, saved.meta)
+    assert resumed.active_sets() == strategy.active_sets()
+    assert resumed.allocation.quotas == strategy.allocation.quotas
+    assert resumed.eeqa.state_dict() == strategy.eeqa.state_dict()
+    for m in strategy.expert_layout:
+        np.testing.assert_array_equal(resumed.state.A[m], strategy.state.A[m])
+        np.testing.assert_array_equal(resumed.state.router[m], strategy.state.router[m])
+    np.testing.assert_array_equal(codec.decode(resumed.downlink_arrays())[f"{Q}/A"],
+                                  codec.decode(strategy.downlink_arrays())[f"{Q}/A"])
+    other, _ = make_strategy(budget=4)
+    other.backbone_fingerprint = "e" * 16
+    with pytest.raises(ValueError, match="backbone fingerprint"):
+        other.load_state_dict(saved.arrays, saved.meta)
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
