@@ -132,8 +132,20 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
                           f"use fedavg-full for '{cfg.model.name}'")
     _check_uplink(cfg.algorithm)
+    _check_simulation(cfg.get("simulation") or {})
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_simulation(sim) -> None:
+    cpus, gpus = sim.get("client_cpus", 1), sim.get("client_gpus", "auto")
+    try:
+        ok = float(cpus) > 0 and (gpus == "auto" or float(gpus) >= 0)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"simulation.client_cpus must be a number > 0 and simulation.client_gpus 'auto' or a "
+                          f"number >= 0, got {cpus!r} / {gpus!r}")
 
 
 def _check_uplink(algorithm) -> None:
@@ -161,8 +173,20 @@ def to_yaml(cfg: DictConfig) -> str:
 def from_yaml(text: str) -> DictConfig:
     cfg = OmegaConf.create(text)
     _check_uplink(cfg.algorithm)
+    _check_simulation(cfg.get("simulation") or {})
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_simulation(sim) -> None:
+    cpus, gpus = sim.get("client_cpus", 1), sim.get("client_gpus", "auto")
+    try:
+        ok = float(cpus) > 0 and (gpus == "auto" or float(gpus) >= 0)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"simulation.client_cpus must be a number > 0 and simulation.client_gpus 'auto' or a "
+                          f"number >= 0, got {cpus!r} / {gpus!r}")
 
 
 def _check_uplink(algorithm) -> None:

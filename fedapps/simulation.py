@@ -15,11 +15,37 @@ from fedapps.client_app import app as client_app
 from fedapps.runner import run_server
 
 
-def simulate(cfg, *, cpus_per_client: int = 1, total_cpus: int | None = None) -> dict:
+def client_resources(cfg, num_clients: int) -> dict:
+    """Ray resources of one simulated client from ``cfg.simulation``.
+
+    ``client_gpus: auto`` shares the visible GPUs among all clients (each gets
+    ``min(1, GPUs / clients)``; 0 without CUDA, so clients train on the CPU). Ray hides
+    the GPUs from a client with no GPU share.
+    """
+    sim = cfg.get("simulation") or {}
+    cpus = sim.get("client_cpus", 1)
+    gpus = sim.get("client_gpus", "auto")
+    if gpus == "auto":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = min(1.0, count / num_clients) if count else 0.0
+    try:
+        cpus, gpus = float(cpus), float(gpus)
+    except (TypeError, ValueError):
+        raise ValueError(f"simulation.client_cpus / client_gpus must be numbers (or client_gpus=auto), "
+                         f"got {sim.get('client_cpus')!r} / {sim.get('client_gpus')!r}") from None
+    if cpus <= 0 or gpus < 0:
+        raise ValueError(f"simulation.client_cpus must be > 0 and client_gpus >= 0, got {cpus} / {gpus}")
+    return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def simulate(cfg, *, total_cpus: int | None = None) -> dict:
     """Run ``cfg`` with ``cfg.num_clients`` (or the task's default) simulated SuperNodes."""
     from flwr.simulation import run_simulation
 
     num_clients = int(cfg.num_clients or cfg.task.default_clients)
+    resources = client_resources(cfg, num_clients)
     result: dict = {}
     server_app = ServerApp()
 
@@ -34,7 +60,7 @@ def simulate(cfg, *, cpus_per_client: int = 1, total_cpus: int | None = None) ->
         num_supernodes=num_clients,
         backend_name="ray",
         backend_config={
-            "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+            "client_resources": resources,
             "init_args": {"num_cpus": total_cpus or os.cpu_count() or 2, "include_dashboard": False},
         },
     )

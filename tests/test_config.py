@@ -72,3 +72,21 @@ def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
 def test_unknown_run_config_key_is_refused():
     with pytest.raises(ConfigError, match="unknown run-config keys"):
         compose_from_run_config({"algoritm": "fedprox"})
+
+
+def test_simulated_clients_share_the_visible_gpus_or_get_none(monkeypatch):
+    import torch
+
+    from fedapps.simulation import client_resources
+
+    cfg = compose(preset="test")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert client_resources(cfg, 4) == {"num_cpus": 1.0, "num_gpus": 0.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert client_resources(cfg, 4)["num_gpus"] == 0.5
+    assert client_resources(cfg, 1)["num_gpus"] == 1.0
+    fixed = compose(["simulation.client_gpus=0.25", "simulation.client_cpus=2"], preset="test")
+    assert client_resources(fixed, 4) == {"num_cpus": 2.0, "num_gpus": 0.25}
+    with pytest.raises(ConfigError, match="simulation.client_gpus 'auto' or a number >= 0"):
+        compose(["simulation.client_gpus=-1"], preset="test")
