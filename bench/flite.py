@@ -197,22 +197,15 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fedapps.outputs import draw_curves
+
     partitions = results["settings"]["partitions"]
     fig, axes = plt.subplots(1, len(partitions), figsize=(6.5 * len(partitions), 4.6), squeeze=False)
     for ax, partition in zip(axes[0], partitions):
-        for method in results["settings"]["methods"]:
-            run = results["runs"].get(f"{partition}/{method}")
-            if run is None:
-                continue
-            curve = [(b, a) for _, a, b in run["curve"] if b > 0]
-            if curve:
-                xs, ys = zip(*curve)
-                ax.plot(xs, ys, marker="o", ms=3, label=method, lw=2.2 if method.startswith("flite") else 1.2)
-        ax.set_xscale("log")
-        ax.set(xlabel="cumulative uplink bytes per client", ylabel="accuracy",
-               title=f"CIFAR-10, {'Dirichlet α=0.1' if partition == 'dirichlet' else 'IID'}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        curves = {m: results["runs"][f"{partition}/{m}"]["curve"] for m in results["settings"]["methods"]
+                  if f"{partition}/{m}" in results["runs"]}
+        label = "Dirichlet α=0.1" if partition == "dirichlet" else "IID"
+        draw_curves(ax, curves, "accuracy", f"CIFAR-10, {label} (hollow: round 0)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

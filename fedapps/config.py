@@ -172,36 +172,5 @@ def to_yaml(cfg: DictConfig) -> str:
 
 def from_yaml(text: str) -> DictConfig:
     cfg = OmegaConf.create(text)
-    _check_uplink(cfg.algorithm)
-    _check_simulation(cfg.get("simulation") or {})
     OmegaConf.set_struct(cfg, True)
     return cfg
-
-
-def _check_simulation(sim) -> None:
-    cpus, gpus = sim.get("client_cpus", 1), sim.get("client_gpus", "auto")
-    try:
-        ok = float(cpus) > 0 and (gpus == "auto" or float(gpus) >= 0)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(f"simulation.client_cpus must be a number > 0 and simulation.client_gpus 'auto' or a "
-                          f"number >= 0, got {cpus!r} / {gpus!r}")
-
-
-def _check_uplink(algorithm) -> None:
-    """``algorithm.payload`` / ``uplink`` / ``compression`` make a format the strategy accepts."""
-    from strategies.compress import UPDATE_FORMATS, check_format
-
-    fmt = str(algorithm.get("payload", "fp32"))
-    if fmt not in UPDATE_FORMATS:
-        raise ConfigError(f"algorithm.payload '{fmt}' is not a payload format; valid: {', '.join(UPDATE_FORMATS)}")
-    if fmt in ("topk", "powersgd"):
-        if algorithm.get("trainable") != "full" or str(algorithm.get("uplink", "absolute")) != "delta":
-            raise ConfigError(f"algorithm.payload={fmt} compresses full-weight updates: use algorithm=topk-ef or "
-                              "algorithm=powersgd (trainable: full, uplink: delta)")
-        comp = algorithm.get("compression") or {}
-        try:
-            check_format(fmt, comp.get("topk_fraction"), comp.get("powersgd_rank"))
-        except ValueError as err:
-            raise ConfigError(f"algorithm.compression: {err}") from None

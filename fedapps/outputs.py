@@ -211,24 +211,28 @@ def plot_comparison(summaries: list[dict], path: Path) -> None:
     metrics = sorted({s["metric"] for s in summaries})
     fig, axes = plt.subplots(1, len(metrics), figsize=(7 * len(metrics), 4.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        for summary in (s for s in summaries if s["metric"] == metric):
-            curve = cumulative_curve(summary["run_dir"], metric)
-            if not curve:
-                continue
-            start = [(b, m) for _, m, b in curve if b == 0][:1]
-            xs = [b for _, _, b in curve if b > 0]
-            ys = [m for _, m, b in curve if b > 0]
-            line, = ax.plot(xs, ys, marker="o", label=summary["algorithm"])
-            if start and xs:  # round 0 (nothing sent yet) drawn at the first round's x, hollow
-                ax.plot([xs[0]], [start[0][1]], marker="o", mfc="none", color=line.get_color())
-        ax.set_xscale("log")
-        ax.set(xlabel="cumulative uplink bytes per client", ylabel=metric,
-               title=f"{metric} vs bytes sent (hollow: round 0, before any upload)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        curves = {s["algorithm"]: cumulative_curve(s["run_dir"], metric) for s in summaries if s["metric"] == metric}
+        draw_curves(ax, curves, metric, f"{metric} vs bytes sent (hollow: round 0, before any upload)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def draw_curves(ax, curves: dict[str, list], metric: str, title: str) -> None:
+    """On ``ax``: each label's (round, metric, cumulative bytes) curve, log x; round 0 hollow."""
+    for label, curve in curves.items():
+        start = [m for _, m, b in curve if b == 0][:1]
+        xs = [b for _, _, b in curve if b > 0]
+        ys = [m for _, m, b in curve if b > 0]
+        if not xs:
+            continue
+        line, = ax.plot(xs, ys, marker="o", ms=4, label=label)
+        if start:  # round 0 (nothing sent yet) drawn at the first round's x, hollow
+            ax.plot([xs[0]], start, marker="o", mfc="none", color=line.get_color())
+    ax.set_xscale("log")
+    ax.set(xlabel="cumulative uplink bytes per client", ylabel=metric, title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
 
 
 def _fmt(value) -> str:
