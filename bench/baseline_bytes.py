@@ -4,11 +4,12 @@ Builds each algorithm's client model exactly as a run does, encodes its federate
 with the wire codec, and prints the payload bytes (what every client sends each round)
 and Flower's count of the whole ArrayRecord (tensor names included).
 
-    .venv/bin/python bench/baseline_bytes.py
+    .venv/bin/python bench/baseline_bytes.py [--out docs/bench]   # also writes OUT/baseline_bytes.md
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +21,11 @@ from fedapps.config import compose  # noqa: E402
 from strategies import codec  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "bench",
+                        help="folder for baseline_bytes.md (default docs/bench)")
+    args = parser.parse_args(argv)
     rows = []
     for algorithm in ("fedavg-lora", "fedprox", "ffa-lora", "fedavg-full"):
         cfg = compose(algorithm=algorithm, model="smollm2")
@@ -31,10 +36,16 @@ def main() -> None:
         rows.append((algorithm, len(state), values, codec.payload_bytes(record), record.count_bytes()))
         del model
     base = rows[0][3]
-    print("| algorithm | tensors | values | uplink payload bytes | ArrayRecord bytes | vs fedavg-lora |")
-    print("|---|---:|---:|---:|---:|---:|")
+    lines = ["# Uplink bytes per client per round of the baselines (SmolLM2-135M)", "",
+             "Made by `bench/baseline_bytes.py`: each algorithm's client model built as a run builds it, "
+             "its federated state encoded with the wire codec.", "",
+             "| algorithm | tensors | values | uplink payload bytes | ArrayRecord bytes | vs fedavg-lora |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, tensors, values, payload, total in rows:
-        print(f"| {name} | {tensors} | {values:,} | {payload:,} | {total:,} | {payload / base:.3f} |")
+        lines.append(f"| {name} | {tensors} | {values:,} | {payload:,} | {total:,} | {payload / base:.3f} |")
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "baseline_bytes.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""Write docs/benchmarks.md from the benchmark reports in docs/ (``make bench`` runs it last).
+
+    .venv/bin/python bench/collect.py
+
+Collects, in this order, whatever each benchmark script last wrote: ``docs/bench/flite/
+flite.md`` (bench/flite.py), the bench section of ``docs/fednl.md`` (bench/fednl.py
+--write-docs), ``docs/bench/smartfed.md`` (bench/smartfed.py) and
+``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py). Each report carries the
+command that made it; this page adds the machine facts and the date it was collected,
+and says which report is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# (title, report file, how to make it, section markers or None)
+REPORTS = (
+    ("FLITE vs compressed-update baselines (CIFAR-10)", DOCS / "bench" / "flite" / "flite.md",
+     "bench/flite.py", None),
+    ("FedNL on SmolLM2 (MMLU, NIAH, memory, throughput)", DOCS / "fednl.md", "bench/fednl.py --write-docs",
+     ("<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->")),
+    ("SmartFed vs FedAvg-LoRA from scratch", DOCS / "bench" / "smartfed.md", "bench/smartfed.py", None),
+    ("SmartFed vs FedAvg-LoRA, reduced run (the full-size one not run yet)",
+     DOCS / "bench" / "smollm2-small" / "smartfed.md", "bench/smartfed.py (reduced settings, see docs/smartfed.md)", None),
+    ("Uplink bytes of the baselines", DOCS / "bench" / "baseline_bytes.md", "bench/baseline_bytes.py", None),
+)
+
+
+def machine() -> str:
+    mem = ""
+    try:
+        with open("/proc/meminfo") as handle:
+            kb = int(handle.readline().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+        version = torch.__version__
+    except ImportError:
+        gpu, version = "torch not installed", "-"
+    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores{mem}, {gpu}, torch {version}, " \
+           f"Python {platform.python_version()}"
+
+
+def section(path: Path, markers) -> str | None:
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    if markers:
+        match = re.search(re.escape(markers[0]) + r"(.*?)" + re.escape(markers[1]), text, re.S)
+        return match.group(1).strip() if match else None
+    return text.strip()
+
+
+def rebase_images(text: str, source: Path) -> str:
+    """Image links of a report relative to docs/ (where benchmarks.md lives)."""
+    def fix(match):
+        target = match.group(2)
+        if re.match(r"^[a-z]+://", target) or target.startswith("/"):
+            return match.group(0)
+        return f"{match.group(1)}({os.path.relpath(source.parent / target, DOCS)})"
+
+    return re.sub(r"(!\[[^\]]*\])\(([^)]+)\)", fix, text)
+
+
+def main() -> int:
+    lines = ["# Benchmarks", "",
+             f"Collected by `bench/collect.py` on {time.strftime('%Y-%m-%d')} ({machine()}). `make bench` runs every "
+             "benchmark script, then this one; each section below is the report its script last wrote, with the "
+             "exact command (and settings) that made it.", ""]
+    for title, path, command, markers in REPORTS:
+        text = section(path, markers)
+        if text is None and "reduced" in title:
+            continue  # a fallback report: shown only when it exists
+        lines += [f"## {title}", ""]
+        if text is None:
+            lines += [f"_Not run yet_: `{command}` writes `{path.relative_to(ROOT)}`.", ""]
+            continue
+        text = re.sub(r"^# .*\n", "", text, count=1)  # the report's own title
+        text = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)  # one level deeper
+        lines += [f"Source: [{path.relative_to(DOCS)}]({path.relative_to(DOCS)}), made by `{command}`.", "",
+                  rebase_images(text, path), ""]
+    (DOCS / "benchmarks.md").write_text("\n".join(lines))
+    print(f"wrote {DOCS / 'benchmarks.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
