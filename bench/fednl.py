@@ -131,6 +131,7 @@ def algorithm_overrides(spec: str) -> tuple[str, list[str]]:
         overrides.append(f"algorithm.mode={mode or 'meta-rules'}")
     elif mode:
         raise SystemExit(f"only fednl takes a mode, got '{spec}'")
+    overrides.append("algorithm.eval_local=true")  # every method reports its aggregation drop
     if name == "fedala":  # the start phase: at most 2 passes of 4 batches on 2 cores
         overrides += ["algorithm.ala.max_batches=4", "algorithm.ala.max_start_epochs=2"]
     if name == "fedssi":

@@ -165,3 +165,13 @@ def evaluate(model, task, eval_cfg) -> dict[str, float | int]:
         raise TrainingError(f"evaluation produced non-finite metrics: {metrics}")
     metrics["seconds"] = time.perf_counter() - start
     return metrics
+
+
+def local_metrics(model, task, eval_cfg) -> dict[str, float]:
+    """A client's own freshly trained model, scored on its test split before aggregation.
+
+    ``local-<metric>`` against the federated model's ``<metric>`` after aggregation is the
+    aggregation drop (``algorithm.eval_local``).
+    """
+    metrics = evaluate(model, task, eval_cfg)
+    return {f"local-{task.metric}": metrics[task.metric], "local-loss": metrics["loss"]}

@@ -16,7 +16,7 @@ from clients.adapters import all_lora_state, apply_lora, federated_names, federa
 from clients.flite import orthogonal_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
-from clients.train import local_train
+from clients.train import local_metrics, local_train
 from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.session import client_config, reply, session, uplink_record
@@ -63,6 +63,8 @@ def train(msg: Message, context: Context) -> Message:
         seed=seed,
         proximal_mu=mu, reference=received if mu > 0 else None,
     )
+    if cfg.algorithm.get("eval_local", False):  # the aggregation drop: this model vs the federated one
+        metrics.update(local_metrics(s.model, s.task, cfg.eval))
     metrics["partition-id"] = s.partition_id
     state = federated_state(s.model, s.extra["names"])
     arrays = uplink_record(cfg, context, {k: v.numpy() for k, v in state.items()},

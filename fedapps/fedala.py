@@ -37,12 +37,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.adapters import all_lora_state, federated_state, load_federated_state
-from clients.train import autocast, local_train
+from clients.train import autocast, local_metrics, local_train
 from clients.train import evaluate as evaluate_model
 from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import prepare, round_seed
-from fedapps.fednl import local_metrics
 from fedapps.session import client_config, reply, session
 from strategies import codec
 from strategies.fedala import FedALA

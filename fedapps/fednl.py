@@ -42,7 +42,7 @@ from clients.fednl import (
 )
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
-from clients.train import local_train
+from clients.train import local_metrics, local_train
 from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import round_seed
@@ -151,12 +151,6 @@ def keep_local(s, context: Context) -> None:
     if s.extra["local_names"]:
         state = federated_state(s.model, s.extra["local_names"])
         context.state[LOCAL_LORA] = codec.encode({k: v.numpy() for k, v in state.items()}, "fp32")
-
-
-def local_metrics(model, task, eval_cfg) -> dict[str, float]:
-    """The client's own model, scored on its test split before aggregation."""
-    metrics = evaluate_model(model, task, eval_cfg)
-    return {f"local-{task.metric}": metrics[task.metric], "local-loss": metrics["loss"]}
 
 
 def gate_metrics(model) -> dict[str, float]:

@@ -33,13 +33,12 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.adapters import federated_state, load_federated_state
-from clients.train import TrainingError, autocast
+from clients.train import TrainingError, autocast, local_metrics
 from clients.train import evaluate as evaluate_model
 from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import prepare, round_seed
 from fedapps.fedala import plan_lora_server
-from fedapps.fednl import local_metrics
 from fedapps.session import client_config, reply, session
 from strategies import codec
 from strategies.fedssi import FedSSI
