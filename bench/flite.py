@@ -73,7 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", action="append", default=[], metavar="METHOD=VALUE",
                    help="learning rate of one method (repeatable); defaults: "
                         + ", ".join(f"{m}={v:g}" for m, (_, _, v) in METHODS.items()))
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "flite")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "flite", help="report folder")
+    p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-flite",
+                   help="folder of the 14 run folders (default outputs/bench-flite)")
     p.add_argument("--render", action="store_true", help="only re-write the report and plot from OUT/flite.json")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
@@ -105,7 +107,7 @@ def config_for(args, method: str, partition: str):
              f"seed={args.seed}", f"train.lr={args.lrs[method]}", f"train.local_steps={args.steps}",
              f"train.batch_size={args.batch_size}", "train.threads=1", "eval.max_batches=0",
              "eval.batch_size=64", f"run_name=flite-bench_{partition}_{method}",
-             f"output_dir={args.out / 'runs'}", *args.overrides]
+             f"output_dir={args.runs}", *args.overrides]
     return compose(items, task="cifar10", algorithm=algorithm, preset="none")
 
 
@@ -113,8 +115,8 @@ def run_all(args) -> dict:
     from fedapps.outputs import cumulative_curve
     from fedapps.simulation import simulate
 
-    results = {"runs": {}, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "lr")}}
-    results["settings"]["out"] = str(args.out)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "lr"}
+    results = {"runs": {}, "settings": settings}
     total = len(args.partitions) * len(args.methods)
     done = 0
     for partition in args.partitions:
