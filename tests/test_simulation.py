@@ -50,7 +50,7 @@ def test_lora_payload_sizes_follow_the_algorithm(outputs):
 
 
 @pytest.mark.parametrize("algorithm, payload, extra", [
-    ("fedavg-full", "fp32", []), ("fedavg-full", "int4", []),
+    ("fedavg-full", "fp32", ["algorithm.eval_local=true"]), ("fedavg-full", "int4", []),
     ("topk-ef", "topk", ["algorithm.compression.topk_fraction=0.1"]),  # 1% needs more than 3 short rounds
     ("powersgd", "powersgd", ["algorithm.compression.powersgd_rank=8"]),
 ])
@@ -74,6 +74,9 @@ def test_vision_full_weight_updates_learn_compressed_or_not(algorithm, payload, 
     comp = cfg.algorithm.compression or {}
     expected = max_nbytes(layout, payload, fraction=comp.get("topk_fraction"), rank=comp.get("powersgd_rank"))
     assert summary["uplink_bytes_per_client_round"] == expected
+    if cfg.algorithm.eval_local:  # each client scored its own model before aggregation (the aggregation drop)
+        last = history(summary)[-1]
+        assert all(0 <= c["train_local-accuracy"] <= 1 for c in last["clients"])
 
 
 def test_the_saved_global_adapter_reproduces_the_final_evaluation(outputs):
