@@ -223,7 +223,7 @@ def machine() -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "bench/flite.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = ("bench/flite.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))).strip()
     if args.render:
         results = json.loads((args.out / "flite.json").read_text())
         command = results.get("command", command)
