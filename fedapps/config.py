@@ -124,6 +124,9 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"task '{cfg.task.name}' needs a causal LM, but model '{cfg.model.name}' is {kind}")
     if cfg.task.kind == "image" and kind != "vision":
         raise ConfigError(f"task '{cfg.task.name}' needs a vision model, but model '{cfg.model.name}' is {kind}")
+    if cfg.model.get("arch") == "resnet18_gn" and not cfg.model.get("path"):
+        raise ConfigError("model resnet18-gn needs a checkpoint: model.path=/abs/path/to/resnet18_gn.pt "
+                          "(no package ships ResNet-18-GN weights)")
     allowed = cfg.algorithm.get("models")
     if allowed and kind not in allowed:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' runs on {' or '.join(map(str, allowed))} models, but "

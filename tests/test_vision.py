@@ -258,3 +258,28 @@ def test_fedavg_lora_on_mobilenet_adapts_every_pointwise_conv_under_a_frozen_ort
     orthogonal_head_(base.head, seed=int(cfg.seed))  # LoRA's B starts at 0: the backbone's outputs
     x = torch.randn(2, 3, 64, 64)
     torch.testing.assert_close(model(x), base.eval()(x))
+
+
+def test_resnet18_gn_loads_from_a_given_checkpoint_and_refuses_bad_ones(tmp_path):
+    from clients.models import build_model
+    from clients.models.resnet import CheckpointError, ResNet18GN
+    from fedapps.config import ConfigError, compose
+    from fedapps.flite import prepare as flite_prepare
+
+    source = ResNet18GN(num_classes=1000)
+    torch.save(source.state_dict(), tmp_path / "r18gn.pt")
+    cfg = compose([f"model.path={tmp_path / 'r18gn.pt'}"], task="cifar10", model="resnet18-gn", algorithm="fedavg-full")
+    model, _ = build_model(cfg)
+    assert torch.equal(model.layer3[1].conv2.weight, source.layer3[1].conv2.weight)
+    assert model.head.out_features == 10 and not any(p.requires_grad for p in model.parameters())
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    flite_cfg = compose([f"model.path={tmp_path / 'r18gn.pt'}"], task="cifar10", model="resnet18-gn", algorithm="flite")
+    flite_model, _, extra = flite_prepare(flite_cfg)
+    assert extra["latents"] == 1280
+
+    with pytest.raises(ConfigError, match="needs a checkpoint"):
+        compose(task="cifar10", model="resnet18-gn")
+    torch.save({"conv1.weight": torch.zeros(3)}, tmp_path / "foreign.pt")
+    for bad, reason in (("missing.pt", "does not exist"), ("foreign.pt", "not a ResNet-18 with GroupNorm")):
+        with pytest.raises(CheckpointError, match=reason):
+            build_model(compose([f"model.path={tmp_path / bad}"], task="cifar10", model="resnet18-gn"))

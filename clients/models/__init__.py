@@ -26,6 +26,10 @@ def build_model(cfg):
                 from clients.models.mobilenet import mobilenet_v2
 
                 model = mobilenet_v2(num_classes=classes, pretrained=bool(cfg.model.pretrained))
+            elif cfg.model.arch == "resnet18_gn":
+                from clients.models.resnet import resnet18_gn
+
+                model = resnet18_gn(cfg.model.path, num_classes=classes, groups=int(cfg.model.get("groups", 32)))
             elif cfg.model.arch == "tiny_cnn":
                 from clients.models.cnn import TinyCNN
 
