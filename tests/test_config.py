@@ -11,13 +11,16 @@ VISION = {"cifar10", "fmnist"}
 def test_every_choice_composes(group):
     for choice in choices(group):
         groups = {group: choice}
-        if group == "task" and choice in VISION or group == "model" and choice in {"mobilenetv2", "tiny-cnn"}:
+        overrides = []
+        if group == "task" and choice in VISION or group == "model" and choice in {"mobilenetv2", "tiny-cnn", "resnet18-gn"}:
             groups.update(algorithm="fedavg-full")
             if group == "model":
                 groups["task"] = "cifar10"
+            if choice == "resnet18-gn":  # composes only with its checkpoint named
+                overrides.append("model.path=/abs/resnet18_gn.pt")
         if group == "algorithm" and choice == "fedavg-full":
             groups["model"] = "tiny-llama"
-        cfg = compose(**groups)
+        cfg = compose(overrides, **groups)
         if group == "preset":
             continue
         assert cfg[group].name == choice
