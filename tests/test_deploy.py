@@ -217,7 +217,11 @@ def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tm
     assert f"no train reply from node {dead}" in log
 
     cluster.start_superlink()  # same database: the registered keys are still known
+    # the SuperLink refuses to activate a node it still counts as online (until its last
+    # heartbeat's patience runs out): restart the killed SuperNode only once it is offline
+    wait_for(lambda: str(dead) not in cluster.online_nodes(), 300, "the dead SuperNode to be marked offline", poll=2)
     cluster.start_supernode(victim)
+    wait_for(lambda: str(dead) in cluster.online_nodes(), 180, "the restarted SuperNode to come back online", poll=2)
     cluster.wait_online(NODES)
     proc = cluster.run(config, timeout=600, log_file=cluster.folder / "logs" / "run-faults-2.log")
     log = proc.stdout + proc.stderr
