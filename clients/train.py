@@ -97,6 +97,37 @@ def autocast(model):
     return torch.autocast(device_type="cuda", dtype=dtype)
 
 
+@contextlib.contextmanager
+def grad_checkpointing(model, enabled: bool):
+    """Within the block, each decoder layer keeps only its input for the backward pass and
+    recomputes the rest there (HF gradient checkpointing, non-reentrant): activation memory
+    falls from every layer's intermediates to one layer's, for about one more forward pass.
+
+    HF checkpoints a layer only when that layer is in training mode; the model stays in
+    eval mode (no dropout), so just the layer objects themselves are flagged, not their
+    children, and gradients equal those without checkpointing.
+    """
+    if not enabled:
+        yield
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers or not hasattr(model, "activation_checkpointing_enable"):
+        raise TrainingError(f"train.grad_checkpointing needs a transformers causal LM; {type(model).__name__} "
+                            "has no checkpointable layers (set train.grad_checkpointing=false)")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    flags = [layer.training for layer in layers]
+    for layer in layers:
+        layer.training = True  # the layer object only: its submodules stay in eval mode
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()
+        for layer, flag in zip(layers, flags):
+            layer.training = flag
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -132,20 +163,21 @@ def local_train(
     losses = []
     start = time.perf_counter()
     model.eval()
-    for batch in task.train_batches(int(train_cfg.local_steps), int(train_cfg.batch_size), rng):
-        with autocast(model):  # forward only; backward runs outside autocast, as PyTorch recommends
-            loss = task.loss(model, batch)
-        if not torch.isfinite(loss):
-            raise TrainingError(f"the training loss became {loss.item()}; lower train.lr (now {train_cfg.lr})")
-        losses.append(loss.item())
-        if proximal_mu > 0:
-            loss = loss + 0.5 * proximal_mu * sum(((p - r) ** 2).sum() for p, r in prox_pairs)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        clip = float(train_cfg.get("max_grad_norm", 0.0) or 0.0)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        optimizer.step()
+    with grad_checkpointing(model, bool(train_cfg.get("grad_checkpointing", False))):
+        for batch in task.train_batches(int(train_cfg.local_steps), int(train_cfg.batch_size), rng):
+            with autocast(model):  # forward only; backward runs outside autocast, as PyTorch recommends
+                loss = task.loss(model, batch)
+            if not torch.isfinite(loss):
+                raise TrainingError(f"the training loss became {loss.item()}; lower train.lr (now {train_cfg.lr})")
+            losses.append(loss.item())
+            if proximal_mu > 0:
+                loss = loss + 0.5 * proximal_mu * sum(((p - r) ** 2).sum() for p, r in prox_pairs)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            clip = float(train_cfg.get("max_grad_norm", 0.0) or 0.0)
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {
         "loss": float(np.mean(losses)),

@@ -251,7 +251,9 @@ class MoRELinear(nn.Module):
         A = self.expert_A.index_select(0, self.active_idx).to(xf.dtype)  # (n, d_in)
         B = self.expert_B.index_select(1, self.active_idx).to(xf.dtype)  # (d_out, n)
         z = (xf @ A.t()) * self.gates(xf).to(xf.dtype)  # (T, n): g_i(x) A_i x
-        if self.training or torch.is_grad_enabled():  # a training forward (see the module docstring)
+        # a training forward (see the module docstring), but not the replay of a checkpointed
+        # layer inside backward (train.grad_checkpointing), which would count the step twice
+        if (self.training or torch.is_grad_enabled()) and torch._C._current_graph_task_id() == -1:
             self._track_importance(z, B)
         mixture = z @ B.t()
         return y + mixture.reshape(*x.shape[:-1], self.out_features).to(y.dtype)
