@@ -84,8 +84,9 @@ test-fast: venv
 test-deploy-all: assets
 	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py
 
-# every benchmark (2 CPU cores: ~3 h in all), then docs/benchmarks.md from their reports
+# the demo and every benchmark (2 CPU cores: ~3 h in all), then docs/benchmarks.md from their reports
 bench: assets
+	$(PY) -m fedapps.demo --report docs/bench/demo
 	$(PY) bench/baseline_bytes.py
 	$(PY) bench/flite.py
 	$(PY) bench/smartfed.py

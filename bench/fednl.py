@@ -118,11 +118,6 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def history(run_dir: str) -> list[dict]:
-    with open(Path(run_dir) / "metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
 def algorithm_overrides(spec: str) -> tuple[str, list[str]]:
     """'fednl:gate' -> ('fednl', ['algorithm.mode=gate']); 'fedala' -> ('fedala', [...caps])."""
     name, _, mode = spec.partition(":")
@@ -156,6 +151,7 @@ def common(args) -> list[str]:
 # ---------------------------------------------------------------------------- 1. MMLU
 def section_mmlu(args, out: Path) -> dict:
     from fedapps.config import compose
+    from fedapps.outputs import read_metrics
 
     results = {}
     for spec in args.algorithms:
@@ -169,7 +165,7 @@ def section_mmlu(args, out: Path) -> dict:
         )
         log(f"MMLU: {spec}")
         summary = run(cfg)
-        last = history(summary["run_dir"])[-1]
+        last = read_metrics(summary["run_dir"])[-1]
         per_client, drop = {}, {}
         for client in last["clients"]:
             pid = int(client["eval_partition-id"])

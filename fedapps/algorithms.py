@@ -30,6 +30,20 @@ class ServerPlan:
     save_final: Callable  # (global_state: dict[str, np.ndarray], run_dir: Path) -> dict | None
 
 
+def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
+    """The keyword arguments every strategy takes from the run's configuration: the YAML sent
+    to each client once, the client count and minimum, the sampled fractions, and the
+    runner's round-end callback."""
+    return dict(
+        config_yaml=config_yaml,
+        num_clients=int(cfg.num_clients),
+        min_clients=cfg.strategy.min_clients,
+        fraction_train=float(cfg.strategy.fraction_train),
+        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        on_round_end=on_round_end,
+    )
+
+
 def get(name: str):
     if name not in PAIRS:
         raise KeyError(f"no app pair for algorithm '{name}'; known: {', '.join(sorted(PAIRS))}")

@@ -18,7 +18,7 @@ from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
 from fedapps import server_app
-from fedapps.algorithms import ServerPlan
+from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.session import client_config, reply, session, uplink_record
 from strategies import codec
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
@@ -102,12 +102,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         initial = {k: v.numpy() for k, v in federated_state(model, extra["names"]).items()}
     kwargs = dict(
         initial_state=initial,
-        config_yaml=config_yaml,
-        num_clients=int(cfg.num_clients),
-        min_clients=cfg.strategy.min_clients,
-        fraction_train=float(cfg.strategy.fraction_train),
-        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
-        on_round_end=on_round_end,
+        **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         **uplink_kwargs(cfg.algorithm),
     )
     name = cfg.algorithm.name

@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--overrides", default="", help="extra Hydra overrides for every run, e.g. \"rounds=3\"")
     p.add_argument("--outputs", type=Path, default=Path(os.environ.get("POSTCARD_OUTPUTS", ROOT / "outputs")),
                    help="where the demo folder goes (default ./outputs or $POSTCARD_OUTPUTS)")
+    p.add_argument("--report", type=Path, default=None,
+                   help="also write the table and plot as a benchmark report in this folder "
+                        "(`make bench`: docs/bench/demo, collected into docs/benchmarks.md)")
     args = p.parse_args(argv)
     if args.clients < 1:
         p.error("--clients must be >= 1")
@@ -133,10 +136,42 @@ def main(argv=None) -> int:
         say(f"[{i}/{len(args.methods)}] {method} on Shakespeare ({args.clients} clients, one per play), "
             f"model {args.model}")
         summaries.append(flwr_run(args, method, folder))
-    say(f"all {len(args.methods)} methods done in {(time.time() - start) / 60:.1f} min")
+    minutes = (time.time() - start) / 60
+    say(f"all {len(args.methods)} methods done in {minutes:.1f} min")
     write_comparison(summaries, folder)
     print(f"\nplot: {folder / 'comparison.png'}\nrun folders: {folder}/<method>/", flush=True)
+    if args.report:
+        command = " ".join(shlex.quote(a) for a in ["python", "-m", "fedapps.demo",
+                                                    *(sys.argv[1:] if argv is None else argv)])
+        print(f"report: {write_report(folder, args.report, command, minutes)}", flush=True)
     return 0
+
+
+def write_report(folder: Path, report_dir: Path, command: str, minutes: float) -> Path:
+    """The demo's comparison (``folder``) as a benchmark report: ``report_dir/demo.md`` with
+    the command, date and wall time, plus ``comparison.png`` and ``comparison.csv``."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("comparison.png", "comparison.csv"):
+        shutil.copyfile(folder / name, report_dir / name)
+    table = (folder / "comparison.md").read_text().strip()
+    path = report_dir / "demo.md"
+    path.write_text("\n".join([
+        "# Demo: FedAvg-LoRA, FedNL, FLITE and SmartFed on one task",
+        "",
+        f"Made by: `{command}`  ",
+        f"({dt.datetime.now():%Y-%m-%d %H:%M}, {minutes:.1f} min wall on this machine, pool build included "
+        f"when it ran; run folders in `{folder}`.)",
+        "",
+        "SmolLM2-135M-Instruct learning Shakespeare, one client per play (natural partition), "
+        "the `demo` preset; held-out perplexity at round 0 and after the last round, uplink payload "
+        "bytes per client per round, ratio to FedAvg-LoRA, wall time of each `flwr run`.",
+        "",
+        table,
+        "",
+        "![perplexity vs cumulative uplink bytes](comparison.png)",
+        "",
+    ]))
+    return path
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from clients.adapters import all_lora_state, federated_state, load_federated_sta
 from clients.train import autocast, local_metrics, local_train
 from clients.train import evaluate as evaluate_model
 from fedapps import server_app
-from fedapps.algorithms import ServerPlan
+from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import prepare, round_seed
 from fedapps.session import client_config, reply, session
 from strategies import codec
@@ -242,13 +242,8 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
     model, _, _ = prepare(cfg)
     strategy = strategy_cls(
         initial_state={k: v.numpy() for k, v in all_lora_state(model).items()},
-        config_yaml=config_yaml,
-        num_clients=int(cfg.num_clients),
-        min_clients=cfg.strategy.min_clients,
-        fraction_train=float(cfg.strategy.fraction_train),
-        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         uplink_format=str(cfg.algorithm.payload),
-        on_round_end=on_round_end,
         **strategy_kwargs,
     )
 

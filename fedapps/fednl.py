@@ -44,7 +44,7 @@ from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
 from fedapps import server_app
-from fedapps.algorithms import ServerPlan
+from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import round_seed
 from fedapps.session import client_config, reply, session
 from strategies import codec
@@ -201,13 +201,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     strategy = FedNL(
         mode=mode,
         initial_state=initial,
-        config_yaml=config_yaml,
-        num_clients=int(cfg.num_clients),
-        min_clients=cfg.strategy.min_clients,
-        fraction_train=float(cfg.strategy.fraction_train),
-        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         uplink_format=str(cfg.algorithm.payload),
-        on_round_end=on_round_end,
     )
 
     def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:

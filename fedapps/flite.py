@@ -17,7 +17,7 @@ from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
 from fedapps import server_app
-from fedapps.algorithms import ServerPlan
+from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import round_seed, uplink_kwargs
 from fedapps.session import ClientSetupError, client_config, reply, session, uplink_record
 from strategies import codec
@@ -89,14 +89,9 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     strategy = FliteStrategy(
         fingerprint=extra["fingerprint"],
         initial_state={LATENT_KEY: np.zeros(extra["latents"], np.float32)},
-        config_yaml=config_yaml,
-        num_clients=int(cfg.num_clients),
-        min_clients=cfg.strategy.min_clients,
-        fraction_train=float(cfg.strategy.fraction_train),
-        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         downlink_format=str(cfg.algorithm.downlink),
         **uplink_kwargs(cfg.algorithm),
-        on_round_end=on_round_end,
     )
 
     def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:

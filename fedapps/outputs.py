@@ -188,16 +188,28 @@ def write_comparison(summaries: list[dict], folder: Path) -> Path:
     return folder / "comparison.md"
 
 
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """A run folder's ``metrics.jsonl``: one record per round, round 0 (the initial model) first."""
+    with open(Path(run_dir) / "metrics.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def mean_train_loss(record: dict) -> float:
+    """The clients' mean training loss in one round record of :func:`read_metrics`."""
+    losses = [c["train_loss"] for c in record["clients"] if "train_loss" in c]
+    if not losses:
+        raise ValueError(f"round {record.get('round')} has no training loss (round 0, or every reply refused)")
+    return sum(losses) / len(losses)
+
+
 def cumulative_curve(run_dir: str | Path, metric: str) -> list[tuple[int, float, float]]:
     """(round, metric, cumulative uplink payload bytes per client) for every evaluated round."""
     points, total = [], 0.0
-    with open(Path(run_dir) / "metrics.jsonl") as handle:
-        for line in handle:
-            record = json.loads(line)
-            ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
-            total += sum(ups) / len(ups) if ups else 0.0
-            if record["eval"].get(metric) is not None:
-                points.append((record["round"], record["eval"][metric], total))
+    for record in read_metrics(run_dir):
+        ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
+        total += sum(ups) / len(ups) if ups else 0.0
+        if record["eval"].get(metric) is not None:
+            points.append((record["round"], record["eval"][metric], total))
     return points
 
 

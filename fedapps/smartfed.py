@@ -49,7 +49,7 @@ from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_fingerpri
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
 from fedapps import server_app
-from fedapps.algorithms import ServerPlan
+from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import round_seed
 from fedapps.pool_cli import backbone_descriptor, default_pool_dir
 from fedapps.session import ClientSetupError, client_config, reply, session
@@ -283,13 +283,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         state=state,
         eeqa=eeqa,
         backbone_fingerprint=fingerprint,
-        config_yaml=config_yaml,
-        num_clients=int(cfg.num_clients),
-        min_clients=cfg.strategy.min_clients,
-        fraction_train=float(cfg.strategy.fraction_train),
-        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         uplink_format=str(a.payload),
-        on_round_end=on_round_end,
     )
     log(logging.INFO, "SmartFed: pool %s, adapters %s: %d experts on %d matrices (%s); budget %d active experts",
         pool.path, names, layout.total_experts, len(layout.matrices), layout.mode, budget)

@@ -195,8 +195,8 @@ class PayloadFedAvg(FedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self._messages(super().configure_train(server_round, arrays, config, grid), server_round, "train", config)
 
-    def validate_reply(self, msg: Message) -> tuple[dict[str, np.ndarray], int]:
-        """Decode and check one training reply; raise PayloadError with the reason."""
+    def reply_record(self, msg: Message) -> tuple[ArrayRecord, int]:
+        """A training reply's ArrayRecord and its positive ``num-examples``; PayloadError if absent."""
         content = msg.content
         if self.arrayrecord_key not in content.array_records:
             raise PayloadError(f"no ArrayRecord '{self.arrayrecord_key}' in the reply")
@@ -206,7 +206,11 @@ class PayloadFedAvg(FedAvg):
         num_examples = metrics[NUM_EXAMPLES]
         if not isinstance(num_examples, int) or num_examples <= 0:
             raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {num_examples!r}")
-        record = content.array_records[self.arrayrecord_key]
+        return content.array_records[self.arrayrecord_key], num_examples
+
+    def validate_reply(self, msg: Message) -> tuple[dict[str, np.ndarray], int]:
+        """Decode and check one training reply; raise PayloadError with the reason."""
+        record, num_examples = self.reply_record(msg)
         expected = self.layout()
         if set(record) != set(expected):
             extra = sorted(set(record) - set(expected))[:3]

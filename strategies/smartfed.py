@@ -43,8 +43,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from strategies import sparse
-from strategies.base import NUM_EXAMPLES, PayloadFedAvg
-from strategies.codec import PayloadError
+from strategies.base import PayloadFedAvg
 from strategies.eeqa import EEQA, Allocation, select_active
 
 BACKBONE_KEY = "backbone-fingerprint"  # ConfigRecord key: the pool's backbone fingerprint
@@ -138,18 +137,10 @@ class SmartFedStrategy(PayloadFedAvg):
     # ------------------------------------------------------------------ uplink
     def validate_reply(self, msg: Message) -> tuple[dict[str, sparse.MatrixPayload], int]:
         """Decode one training reply into validated sparse parts; PayloadError says why not."""
-        content = msg.content
-        if self.arrayrecord_key not in content.array_records:
-            raise PayloadError(f"no ArrayRecord '{self.arrayrecord_key}' in the reply")
-        metrics = content.metric_records.get("metrics")
-        if metrics is None or NUM_EXAMPLES not in metrics:
-            raise PayloadError(f"no MetricRecord 'metrics' with '{NUM_EXAMPLES}'")
-        num_examples = metrics[NUM_EXAMPLES]
-        if not isinstance(num_examples, int) or num_examples <= 0:
-            raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {num_examples!r}")
+        record, num_examples = self.reply_record(msg)
         allocation = self._round_allocation or self.allocation
         parts = sparse.decode(
-            content.array_records[self.arrayrecord_key],
+            record,
             self.expert_layout,
             kind="update",
             active=allocation.active,

@@ -21,7 +21,8 @@ def test_demo_runs_all_four_methods_and_compares_them(tmp_path):
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "fedapps.demo", "--model", "tiny-llama", "--clients", "2",
-             "--pool", str(tmp_path / "pool"), "--outputs", str(tmp_path / "out"), "--overrides", "train.seq_len=32"],
+             "--pool", str(tmp_path / "pool"), "--outputs", str(tmp_path / "out"), "--overrides", "train.seq_len=32",
+             "--report", str(tmp_path / "report")],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
         )
     finally:
@@ -41,3 +42,8 @@ def test_demo_runs_all_four_methods_and_compares_them(tmp_path):
     for name, row in rows.items():  # every method learns a little in two short rounds
         assert float(row["final_metric"]) < float(row["initial_metric"]), name
     assert f"plot: {demo / 'comparison.png'}" in log
+    # --report (make bench): the same table as a benchmark report with the command that made it
+    report = (tmp_path / "report" / "demo.md").read_text()
+    assert "--model tiny-llama" in report and "![perplexity vs cumulative uplink bytes](comparison.png)" in report
+    assert (demo / "comparison.md").read_text().strip() in report
+    assert (tmp_path / "report" / "comparison.png").read_bytes() == (demo / "comparison.png").read_bytes()

@@ -26,6 +26,7 @@ import pytest
 from fedapps import algorithms
 from fedapps import checkpoint as ckpt
 from fedapps.deploy import LoopbackCluster, free_port, kill_tree, make_node_keys
+from fedapps.outputs import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -85,11 +86,6 @@ def alive(pid: int) -> bool:
 
 def run_config(algorithm: str, out: Path, overrides: str) -> str:
     return f"algorithm='{algorithm}' preset='test' output-dir='{out}' overrides='{BASE} {overrides}'"
-
-
-def rounds_of(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
 
 
 def only_run(out: Path) -> Path:
@@ -175,7 +171,7 @@ def test_each_algorithm_runs_through_the_tls_cluster(cluster, algorithm, tmp_pat
     assert summary["algorithm"] == algorithm and summary["model"] == "tiny-llama" and summary["num_clients"] == NODES
     assert summary["refused_replies"] == 0 and summary["missing_replies"] == 0
     assert Path(summary.get("final_state", run)).exists()
-    rounds = rounds_of(run)
+    rounds = read_metrics(run)
     assert [r["round"] for r in rounds] == [0, 1]
     # every SuperNode trained (its partition id in its reply) and sent a payload
     trained = [c for c in rounds[1]["clients"] if "train_loss" in c]
@@ -211,7 +207,7 @@ def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tm
     log = first_log.read_text()
     dead = int(cluster.registered[victim])
     assert checkpoint_round(run) == 1 and not (run / "summary.json").exists(), log[-3000:]
-    round1 = rounds_of(run)[1]
+    round1 = read_metrics(run)[1]
     assert sorted(c["train_partition-id"] for c in round1["clients"] if "train_loss" in c) == [0, 1]
     assert {m["node_id"] for m in round1["missing"] if m["phase"] == "train"} == {dead}
     assert f"no train reply from node {dead}" in log
@@ -228,7 +224,7 @@ def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tm
     assert proc.returncode == 0, log[-4000:]
     assert f"Resuming {run} from its checkpoint after round 1" in log
     assert "[ROUND 1/2]" not in log and "[ROUND 2/2]" in log
-    rounds = rounds_of(run)
+    rounds = read_metrics(run)
     assert [r["round"] for r in rounds] == [0, 1, 2]
     # the restarted node got the run's configuration again and trained in round 2
     assert sorted(c["train_partition-id"] for c in rounds[2]["clients"] if "train_loss" in c) == [0, 1, 2]

@@ -16,6 +16,7 @@ from flwr.common.constant import ErrorCode
 from clients import train as train_mod
 from fedapps import checkpoint as ckpt
 from fedapps.config import compose
+from fedapps.outputs import read_metrics
 from fedapps.runner import collect_replies
 from fedapps.session import ClientSetupError, node_view
 from strategies.base import CONFIG_RECORD, PayloadFedAvg
@@ -242,8 +243,7 @@ def test_a_simulated_run_resumes_after_its_last_checkpoint(outputs):
     assert ckpt.load(first["run_dir"]).round == 1 and "resumed_after_round" not in first
     second = simulate(compose(["rounds=2", "train.local_steps=2", "run_name=exp", "resume=auto"], preset="test"))
     assert second["run_dir"] == first["run_dir"] and second["resumed_after_round"] == 1
-    with open(f"{second['run_dir']}/metrics.jsonl") as handle:
-        rounds = [json.loads(line) for line in handle]
+    rounds = read_metrics(second["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert ckpt.load(second["run_dir"]).round == 2
     assert second["metric_by_round"]["1"] == first["metric_by_round"]["1"]  # round 1 kept, not redone

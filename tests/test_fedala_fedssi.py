@@ -1,6 +1,5 @@
 """FedALA (adaptive local aggregation) and FedSSI (synaptic-intelligence regularisation)."""
 
-import json
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from clients.tasks import make_task
 from fedapps import fedala, fedssi
 from fedapps.baselines import prepare
 from fedapps.config import compose, to_yaml
+from fedapps.outputs import mean_train_loss, read_metrics
 from strategies import codec
 from strategies.base import CONFIG_RECORD
 from strategies.fedssi import FedSSI
@@ -186,15 +186,6 @@ def test_fedssi_client_keeps_its_importance_on_the_node():
 
 
 # --------------------------------------------------------------------------- simulations
-def history(summary):
-    with open(f"{summary['run_dir']}/metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
-def mean_train_loss(record):
-    return sum(c["train_loss"] for c in record["clients"]) / len(record["clients"])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedala", "fedssi"])
 def test_baseline_learns_over_three_rounds(algorithm, outputs):
@@ -203,7 +194,7 @@ def test_baseline_learns_over_three_rounds(algorithm, outputs):
     cfg = compose(["algorithm.ala.max_start_epochs=3"] if algorithm == "fedala" else [], preset="test",
                   algorithm=algorithm)
     summary = simulate(cfg)
-    rounds = history(summary)
+    rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3] and summary["refused_replies"] == 0
     assert mean_train_loss(rounds[3]) < mean_train_loss(rounds[1])
     assert rounds[3]["eval"]["perplexity"] < rounds[0]["eval"]["perplexity"]

@@ -2,7 +2,6 @@
 the streaming diagnostics, and tiny-model simulations in both payload modes."""
 
 import copy
-import json
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from clients.tasks import make_task
 from clients.tasks.niah import DEPTHS, LETTERS
 from fedapps import fednl
 from fedapps.config import compose, to_yaml
+from fedapps.outputs import mean_train_loss, read_metrics
 from strategies import codec
 from strategies.base import CONFIG_RECORD
 from strategies.fednl import FedNL, check_theta, gate_alpha
@@ -346,22 +346,13 @@ def test_kv_cache_stream_scores_like_one_forward_and_bins_are_relative():
 
 
 # --------------------------------------------------------------------------- simulations (Flower + Ray)
-def history(summary):
-    with open(f"{summary['run_dir']}/metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
-def mean_train_loss(record):
-    return sum(c["train_loss"] for c in record["clients"]) / len(record["clients"])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["meta-rules", "gate"])
 def test_fednl_simulation_learns_in_both_payload_modes(mode, outputs):
     from fedapps.simulation import simulate
 
     summary = simulate(fednl_cfg(mode=mode))
-    rounds = history(summary)
+    rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3] and summary["refused_replies"] == 0
     assert mean_train_loss(rounds[3]) < mean_train_loss(rounds[1])
     assert rounds[3]["eval"]["perplexity"] < rounds[0]["eval"]["perplexity"]
@@ -383,7 +374,7 @@ def test_fednl_on_niah_runs_and_reports_accuracy_per_length(outputs):
                    "task.test_per_template=2", "task.train_lengths=[640]", "task.test_lengths=[640,768]",
                    "eval.batch_size=2", "algorithm.memory.window=128"], preset="test", task="niah", algorithm="fednl")
     summary = simulate(cfg)  # 2 clients: the seven templates grouped round-robin
-    final = history(summary)[-1]
+    final = read_metrics(summary["run_dir"])[-1]
     assert summary["refused_replies"] == 0
     assert {"accuracy", "accuracy-640", "accuracy-768"} <= set(final["eval"])
     assert all(0.0 <= c["eval_accuracy"] <= 1.0 for c in final["clients"])

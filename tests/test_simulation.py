@@ -1,34 +1,23 @@
 """Flower simulations (Ray backend) of every baseline on tiny random-init models: they learn."""
 
-import json
-
 import pytest
 
 from fedapps.config import compose
+from fedapps.outputs import mean_train_loss, read_metrics
 from fedapps.simulation import simulate
 
 pytestmark = pytest.mark.slow
-
-
-def history(summary):
-    with open(f"{summary['run_dir']}/metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
-def train_loss(record):
-    losses = [c["train_loss"] for c in record["clients"]]
-    return sum(losses) / len(losses)
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg-lora", "fedprox", "ffa-lora", "fedavg-full"])
 def test_baseline_learns_over_three_rounds(algorithm, outputs):
     cfg = compose(preset="test", algorithm=algorithm)
     summary = simulate(cfg)
-    rounds = history(summary)
+    rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert summary["refused_replies"] == 0
     # loss falls: training loss from round 1 to 3, held-out perplexity from round 0 to 3
-    assert train_loss(rounds[3]) < train_loss(rounds[1])
+    assert mean_train_loss(rounds[3]) < mean_train_loss(rounds[1])
     assert rounds[3]["eval"]["perplexity"] < rounds[0]["eval"]["perplexity"]
     # every client sent exactly the federated tensors, every round
     ups = {c["uplink_payload_bytes"] for r in rounds[1:] for c in r["clients"]}
@@ -75,7 +64,7 @@ def test_vision_full_weight_updates_learn_compressed_or_not(algorithm, payload, 
     expected = max_nbytes(layout, payload, fraction=comp.get("topk_fraction"), rank=comp.get("powersgd_rank"))
     assert summary["uplink_bytes_per_client_round"] == expected
     if cfg.algorithm.eval_local:  # each client scored its own model before aggregation (the aggregation drop)
-        last = history(summary)[-1]
+        last = read_metrics(summary["run_dir"])[-1]
         assert all(0 <= c["train_local-accuracy"] <= 1 for c in last["clients"])
 
 

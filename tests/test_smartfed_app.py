@@ -19,6 +19,7 @@ from clients.smartfed.more import MoREConfig, active_state, importance_state, mo
 from clients.smartfed.pool import Pool
 from fedapps import pool_cli
 from fedapps.config import compose
+from fedapps.outputs import mean_train_loss, read_metrics
 from strategies import codec, sparse
 from strategies.eeqa import EEQA
 from strategies.smartfed import BACKBONE_KEY, SmartFedStrategy, prior_importance
@@ -310,15 +311,6 @@ def tiny_pool(tmp_path_factory):
     return pool, added, root
 
 
-def history(summary):
-    with open(f"{summary['run_dir']}/metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
-def train_loss(record):
-    return float(np.mean([c["train_loss"] for c in record["clients"]]))
-
-
 @pytest.mark.slow
 def test_pool_build_creates_adapters_with_provenance(tiny_pool):
     pool_path, added, root = tiny_pool
@@ -355,12 +347,12 @@ def test_smartfed_learns_over_three_rounds(tiny_pool, mode, outputs):
                       "algorithm.max_per_matrix=2", "algorithm.unmeasured_weight=0.1"]
     cfg = compose(overrides, algorithm="smartfed", preset="test")
     summary = simulate(cfg)
-    rounds = history(summary)
+    rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert summary["refused_replies"] == 0
     held_out = [r["eval"]["loss"] for r in rounds]
     if mode == "experts+router":
-        assert train_loss(rounds[3]) < train_loss(rounds[1])
+        assert mean_train_loss(rounds[3]) < mean_train_loss(rounds[1])
         assert held_out[3] < held_out[0]
     else:
         # the held-out loss falls every round; training losses of different rounds come from

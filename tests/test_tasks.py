@@ -6,7 +6,7 @@ import torch
 
 from clients.models.llm import load_causal_lm
 from clients.tasks import make_task
-from clients.tasks.text import LETTERS, letter_token_ids, mmlu_prompt, mmlu_rows
+from clients.tasks.text import letter_token_ids, mmlu_prompt, mmlu_rows
 from fedapps.config import compose
 
 
