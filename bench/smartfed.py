@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedapps import pool_cli  # noqa: E402
 from fedapps.config import compose, from_yaml, to_yaml  # noqa: E402
+from fedapps.outputs import read_metrics  # noqa: E402
 
 HIGHER_IS_BETTER = {"accuracy": True, "perplexity": False}
 
@@ -133,11 +134,6 @@ def round1_downlink(cfg) -> dict:
 
 
 # ---------------------------------------------------------------------------- benchmark
-def history(summary: dict) -> list[dict]:
-    with open(Path(summary["run_dir"]) / "metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
 def first_round_reaching(values: dict[str, float], goal: float, higher: bool) -> int | None:
     for r in sorted(values, key=int):
         if int(r) > 0 and (values[r] >= goal if higher else values[r] <= goal):
@@ -211,7 +207,8 @@ def report(results: dict) -> str:
         f"Pool: {results['pool']} — adapters {', '.join(results['pool_adapters'])} "
         f"({sf['smartfed']['pool_experts']} rank-1 experts on {sf['smartfed']['matrices']} matrices); "
         f"SmartFed {sf['smartfed']['mode']}, budget {sf['smartfed']['budget']} active experts, "
-        f"top-{results['top_k']}. Target data not in the pool: {results['target_data']}.",
+        f"top-{results['top_k']}, {results.get('smartfed_payload', 'fp32')} uplink. "
+        f"Target data not in the pool: {results['target_data']}.",
         f"Both runs: {results['rounds']} rounds, {results['clients']} clients, {results['steps']} local steps, "
         f"lr {results['lr']}, seed {results['seed']}.",
         "",
@@ -282,7 +279,7 @@ def run_one(name: str, overrides: list[str]) -> dict:
     cfg = compose(overrides, algorithm=name)
     print(f"== {name}: {' '.join(overrides)}", flush=True)
     summary = simulate(cfg)
-    rounds = history(summary)
+    rounds = read_metrics(summary["run_dir"])
     total, cumulative = 0, {}
     for record in rounds:
         ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
@@ -312,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-steps", type=int, default=10)
     parser.add_argument("--budget-per-matrix", type=float, default=None, help="SmartFed budget (default: config's)")
     parser.add_argument("--mode", default="experts+router", choices=["experts+router", "router-only"])
+    parser.add_argument("--smartfed-overrides", default="",
+                        help='Hydra overrides for the SmartFed run only, e.g. "algorithm.payload=int4 '
+                             'algorithm.budget_per_matrix=12"')
     parser.add_argument("--memory-steps", type=int, default=4, help="local steps of the memory probe (0: skip)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="where the table, JSON and plot go")
     parser.add_argument("--runs-dir", default=None,
@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]", f"algorithm.mode={args.mode}"]
     if args.budget_per_matrix is not None:
         smartfed.append(f"algorithm.budget_per_matrix={args.budget_per_matrix}")
+    smartfed += shlex.split(args.smartfed_overrides)
     results_runs = {
         "fedavg-lora": run_one("fedavg-lora", [f"task={args.task}", *run, "run_name=bench-fedavg-lora"]),
         "smartfed": run_one("smartfed", [f"task={args.task}", *run, *smartfed, "run_name=bench-smartfed"]),
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_minutes": (time.time() - start) / 60,
         "model": args.model, "target": args.task, "target_data": json.dumps(data),
         "rounds": args.rounds, "clients": args.clients, "steps": args.steps, "lr": args.lr, "seed": args.seed,
-        "top_k": int(sf_cfg.algorithm.top_k),
+        "top_k": int(sf_cfg.algorithm.top_k), "smartfed_payload": str(sf_cfg.algorithm.payload),
         "pool": str(pool_path), "pool_adapters": held, "metric": metric,
         "runs": results_runs, "memory": memory,
     }
