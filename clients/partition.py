@@ -85,3 +85,20 @@ def train_test_split(indices: np.ndarray, test_fraction: float, seed: int) -> tu
     shuffled = rng.permutation(indices)
     n_test = min(len(indices) - 1, max(1, int(round(len(indices) * test_fraction))))
     return np.sort(shuffled[n_test:]), np.sort(shuffled[:n_test])
+
+
+def partition_for(cfg, labels: Sequence, *, num_partitions: int, partition_id: int,
+                  natural_order: Sequence[str] | None = None, seed: int | None = None) -> np.ndarray:
+    """:func:`partition_indices` with the run's ``partition`` group (method, ``alpha``,
+    ``min_partition_size``) and ``seed`` (or ``seed`` given)."""
+    part = cfg.partition
+    return partition_indices(
+        labels,
+        method=str(part.name),
+        num_partitions=num_partitions,
+        partition_id=partition_id,
+        seed=int(cfg.seed if seed is None else seed),
+        alpha=float(part.get("alpha", 0.5)),
+        min_partition_size=int(part.get("min_partition_size", 10)),
+        natural_order=natural_order,
+    )

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clients.partition import partition_indices, train_test_split
+from clients.partition import partition_for, train_test_split
 from clients.tasks import vision
 from clients.tasks.base import Task
 
@@ -32,17 +32,7 @@ class ImageTask(Task):
         pool = np.arange(len(labels))
         if cap and len(pool) > int(cap):
             pool = np.sort(np.random.default_rng(int(cfg.seed)).choice(len(pool), int(cap), replace=False))
-        mine = pool[
-            partition_indices(
-                labels[pool],
-                method=cfg.partition.name,
-                num_partitions=num_partitions,
-                partition_id=partition_id,
-                seed=int(cfg.seed),
-                alpha=float(cfg.partition.get("alpha", 0.5)),
-                min_partition_size=int(cfg.partition.get("min_partition_size", 10)),
-            )
-        ]
+        mine = pool[partition_for(cfg, labels[pool], num_partitions=num_partitions, partition_id=partition_id)]
         train, test = train_test_split(mine, float(task.test_fraction), seed=int(cfg.seed) + partition_id)
         self.images, self.labels = images, labels
         self.image_size = int(task.image_size)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clients.partition import partition_indices
+from clients.partition import partition_for
 from clients.tasks.base import Task, TaskError
 from clients.tasks.niah import TEMPLATES, split_example
 from clients.tasks.text import LETTERS, MMLUTask, letter_token_ids
@@ -87,16 +87,8 @@ class NIAHTask(MMLUTask):
                 pool = [(split, t, i) for t in templates for i in range(n)]
             else:
                 pool = [(split, t, i) for i in range(n) for t in templates]
-            chosen = partition_indices(
-                [t for _, t, _ in pool],
-                method=cfg.partition.name,
-                num_partitions=num_partitions,
-                partition_id=partition_id,
-                seed=self.seed,
-                alpha=float(cfg.partition.get("alpha", 0.5)),
-                min_partition_size=int(cfg.partition.get("min_partition_size", 10)),
-                natural_order=templates,
-            )
+            chosen = partition_for(cfg, [t for _, t, _ in pool], num_partitions=num_partitions,
+                                   partition_id=partition_id, natural_order=templates, seed=self.seed)
             offset = len(self.items)
             self.items.extend(pool[int(i)] for i in sorted(chosen))
             mine[split] = np.arange(offset, len(self.items))

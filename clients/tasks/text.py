@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from clients import assets
-from clients.partition import partition_indices, train_test_split
+from clients.partition import partition_for, train_test_split
 from clients.tasks.base import Task, TaskError
 
 LETTERS = ("A", "B", "C", "D")
@@ -74,16 +74,8 @@ class ShakespeareTask(Task):
             windows.append(chunks)
             labels += [str(play)] * len(chunks)
         self.windows = torch.from_numpy(np.concatenate(windows))
-        mine = partition_indices(
-            labels,
-            method=cfg.partition.name,
-            num_partitions=num_partitions,
-            partition_id=partition_id,
-            seed=int(cfg.seed),
-            alpha=float(cfg.partition.get("alpha", 0.5)),
-            min_partition_size=int(cfg.partition.get("min_partition_size", 10)),
-            natural_order=[str(p) for p in task.plays],
-        )
+        mine = partition_for(cfg, labels, num_partitions=num_partitions, partition_id=partition_id,
+                             natural_order=[str(p) for p in task.plays])
         self.plays = sorted({labels[i] for i in mine})
         train, test = train_test_split(mine, float(task.test_fraction), seed=int(cfg.seed) + partition_id)
         super().__init__(train, test)
@@ -153,16 +145,8 @@ class MMLUTask(Task):
         self.rows = rows
         self.unmapped_subjects = sorted(unmapped)
         labels = [subject_to_category[r["topic"]] for r in rows]
-        mine = partition_indices(
-            labels,
-            method=cfg.partition.name,
-            num_partitions=num_partitions,
-            partition_id=partition_id,
-            seed=int(cfg.seed),
-            alpha=float(cfg.partition.get("alpha", 0.5)),
-            min_partition_size=int(cfg.partition.get("min_partition_size", 10)),
-            natural_order=list(task.categories),
-        )
+        mine = partition_for(cfg, labels, num_partitions=num_partitions, partition_id=partition_id,
+                             natural_order=list(task.categories))
         self.categories = sorted({labels[i] for i in mine})
         shuffled = np.random.default_rng(int(cfg.seed) + partition_id).permutation(mine)
         n_test = min(int(task.max_test), max(1, round(len(shuffled) / 6)))
