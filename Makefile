@@ -89,7 +89,7 @@ bench: assets
 	$(PY) -m fedapps.demo --report docs/bench/demo
 	$(PY) bench/baseline_bytes.py
 	$(PY) bench/flite.py
-	$(PY) bench/smartfed.py
+	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-int4 --out docs/bench/smartfed-int4
 	$(PY) bench/fednl.py --write-docs
