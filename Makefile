@@ -92,6 +92,8 @@ bench: assets
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-int4 --out docs/bench/smartfed-int4
+	$(PY) bench/smartfed.py --lr 3e-3 --memory-steps 0 \
+		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-lr3 --out docs/bench/smartfed-lr3
 	$(PY) bench/fednl.py --write-docs
 	$(PY) bench/collect.py
 

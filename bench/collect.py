@@ -5,7 +5,7 @@
 Collects, in this order, whatever each benchmark script last wrote: ``docs/bench/demo/
 demo.md`` (``python -m fedapps.demo --report docs/bench/demo``), ``docs/bench/flite/
 flite.md`` (bench/flite.py), the bench section of ``docs/fednl.md`` (bench/fednl.py
---write-docs), ``docs/bench/smartfed.md`` and ``docs/bench/smartfed-int4/smartfed.md`` (bench/smartfed.py) and
+--write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py). Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
 and says which report is missing.
@@ -33,6 +33,8 @@ REPORTS = (
     ("SmartFed vs FedAvg-LoRA from scratch", DOCS / "bench" / "smartfed.md", "bench/smartfed.py", None),
     ("SmartFed, int4 uplink with 12 experts per matrix, vs FedAvg-LoRA", DOCS / "bench" / "smartfed-int4" / "smartfed.md",
      "bench/smartfed.py --smartfed-overrides ... --out docs/bench/smartfed-int4 (see Makefile)", None),
+    ("SmartFed vs FedAvg-LoRA, both at lr 3e-3", DOCS / "bench" / "smartfed-lr3" / "smartfed.md",
+     "bench/smartfed.py --lr 3e-3 --memory-steps 0 ... --out docs/bench/smartfed-lr3 (see Makefile)", None),
     ("Uplink bytes of the baselines", DOCS / "bench" / "baseline_bytes.md", "bench/baseline_bytes.py", None),
 )
 
