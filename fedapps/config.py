@@ -136,6 +136,10 @@ def finalize(cfg: DictConfig) -> DictConfig:
                           f"use fedavg-full for '{cfg.model.name}'")
     _check_uplink(cfg.algorithm)
     _check_simulation(cfg.get("simulation") or {})
+    for key in ("train.bf16", "train.grad_checkpointing"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
     OmegaConf.set_struct(cfg, True)
     return cfg
 

@@ -90,3 +90,10 @@ def test_checkpointing_a_model_without_decoder_layers_is_refused():
     task = make_task(cfg, 0, int(cfg.num_clients), None)
     with pytest.raises(TrainingError, match="train.grad_checkpointing needs a transformers causal LM"):
         local_train(model, task, cfg.train, seed=0)
+
+
+def test_a_non_boolean_setting_is_refused_at_compose_time():
+    from fedapps.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.grad_checkpointing must be true or false, got 'maybe'"):
+        compose(["train.grad_checkpointing=maybe"], preset="test")
