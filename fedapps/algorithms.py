@@ -31,10 +31,15 @@ class ServerPlan:
 
 
 def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
-    """The keyword arguments every strategy takes from the run's configuration: the YAML sent
-    to each client once, the client count and minimum, the sampled fractions, and the
-    runner's round-end callback."""
+    """The keyword arguments every strategy takes from the run's configuration: the bounds on
+    each client's influence (the ``robust`` group), the YAML sent to each client once, the
+    client count and minimum, the sampled fractions, and the runner's round-end callback."""
+    from omegaconf import OmegaConf
+
+    from strategies.robust import Robustness
+
     return dict(
+        robustness=Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)),
         config_yaml=config_yaml,
         num_clients=int(cfg.num_clients),
         min_clients=cfg.strategy.min_clients,

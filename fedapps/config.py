@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "task", "model", "partition", "preset")
+GROUPS = ("algorithm", "task", "model", "partition", "preset", "robust")
 # run_config keys (pyproject [tool.flwr.app.config]) that are not Hydra groups
 RUN_CONFIG_KEYS = (*GROUPS, "overrides", "output-dir")
 
@@ -135,6 +135,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
                           f"use fedavg-full for '{cfg.model.name}'")
     _check_uplink(cfg.algorithm)
+    _check_robust(cfg)
     _check_simulation(cfg.get("simulation") or {})
     for key in ("train.bf16", "train.grad_checkpointing"):
         value = OmegaConf.select(cfg, key)
@@ -142,6 +143,19 @@ def finalize(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{key} must be true or false, got {value!r}")
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_robust(cfg: DictConfig) -> None:
+    """The ``robust`` group builds (strategies.robust.Robustness) and suits the algorithm."""
+    from strategies.robust import Robustness
+
+    try:
+        settings = Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.algorithm.name == "smartfed" and settings.aggregator != "mean":
+        raise ConfigError(f"algorithm 'smartfed' combines sparse expert updates by the weighted mean only; "
+                          f"robust '{settings.aggregator}' does not apply (use robust=default or robust=off)")
 
 
 def _check_simulation(sim) -> None:

@@ -83,6 +83,17 @@ class RunDir:
         return summary
 
 
+def count_by_kind(history: list[dict], entry: str) -> dict[str, int]:
+    """How many replies of a run were refused (``entry='refused'``: identity, metrics, payload,
+    client-error, round) or accepted with a bound applied (``'bounded'``), by kind."""
+    counts: dict[str, int] = {}
+    for record in history:
+        for item in record.get(entry, []):
+            kind = str(item.get("kind", "payload"))
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def summarize(cfg, history: list[dict]) -> dict:
     metric = str(cfg.task.metric)
     trained = [r for r in history if r["round"] > 0]
@@ -110,6 +121,8 @@ def summarize(cfg, history: list[dict]) -> dict:
         "downlink_bytes_per_client_round": float(np.mean(down)) if down else None,
         "uplink_bytes_total": int(np.sum(up)) if up else 0,
         "refused_replies": sum(len(r["refused"]) for r in history),
+        "refused_by_kind": count_by_kind(history, "refused"),
+        "bounded_by_kind": count_by_kind(history, "bounded"),
         "wall_seconds": float(sum(r["seconds"] for r in history)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }

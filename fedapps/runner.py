@@ -82,6 +82,8 @@ def collect_replies(
     seconds after ``quorum`` nodes answered successfully. Flower's own "node / message
     unavailable" errors (a node whose heartbeat stopped) count as missing, not as replies,
     so that the missing node is named (such errors come from the SuperLink, not the node).
+    Extra replies (a second one to the same message) are returned too: the strategy refuses
+    them with a reason.
     """
     if not messages:
         return [], {}
@@ -99,6 +101,9 @@ def collect_replies(
         for reply in grid.pull_messages(set(pending)):
             mid = str(reply.metadata.reply_to_message_id)
             if mid not in pending:
+                # a second reply to a message, or one to no message of this phase: the strategy
+                # refuses and records it (never silently dropped, never counted twice)
+                replies.append(reply)
                 continue
             pending.discard(mid)
             if reply.has_error() and reply.error.code in _UNAVAILABLE:

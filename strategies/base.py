@@ -5,10 +5,19 @@ expert deltas). :class:`PayloadFedAvg` owns what they share:
 
 * the wire format of both directions (``strategies.codec``: fp32 or int4, raw bytes);
 * the resolved run configuration, sent once to each node in its first message;
-* validation of every reply (key set, shapes, dtype, finiteness, example count); a bad
-  reply is refused with a logged reason naming the node, the round goes on with the
-  others, and with no acceptable reply the global state stays as it was;
-* an example-weighted mean (float64 accumulation) over the accepted replies;
+* one defensive path for every reply, training and evaluation alike: identity (it answers
+  a message sent this round, from the node it was sent to, in this run; one reply per
+  node), metrics (one ``metrics`` record of finite numbers with a positive integer
+  ``num-examples``), then the payload's declared layout and wire format *before* anything
+  is decoded or allocated, its values and the method's own bounds. Whatever a reply holds,
+  a bad one is refused with a logged reason naming the node (recorded with its kind in the
+  round record, ``refused``), the round goes on with the others, and with no acceptable
+  reply the global state stays as it was; nothing a client sends raises out of here;
+* bounded influence (``strategies.robust``, the ``robust`` config group): example counts
+  capped, update norms clipped, values bounded, and a choice of aggregator (the
+  example-weighted mean, float64 accumulation, by default);
+* atomic rounds: the new state is computed, checked to be finite, and only then replaces
+  the global state (a non-finite aggregate refuses the whole round);
 * exact byte accounting per node and round (payload bytes = the arrays' data; message
   bytes = Flower's count of the whole content), train/eval metrics and timings, handed
   to ``on_round_end`` as one record per round.
@@ -34,8 +43,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import codec, compress
+from strategies import codec, compress, robust
 from strategies.codec import PayloadError
+from strategies.robust import Robustness
 
 CONFIG_RECORD = "postcard"  # ConfigRecord holding the resolved YAML (first message to a node)
 NUM_EXAMPLES = "num-examples"
@@ -87,6 +97,7 @@ class PayloadFedAvg(FedAvg):
         powersgd_rank: int | None = None,
         uplink_keys: Iterable[str] | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
+        robustness: Robustness | None = None,
     ) -> None:
         min_clients = num_clients if min_clients is None else int(min_clients)
         super().__init__(
@@ -114,7 +125,10 @@ class PayloadFedAvg(FedAvg):
         self.uplink = uplink
         self.uplink_budget = compress.max_nbytes(self.layout(), uplink_format, fraction=topk_fraction,
                                                  rank=powersgd_rank)
+        self.uplink_stypes = compress.expected_stypes(self.layout(), uplink_format, rank=powersgd_rank)
+        self.robustness = robustness if robustness is not None else Robustness()
         self.on_round_end = on_round_end
+        self._sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
         self.configured_nodes: set[int] = set()
         self.history: list[RoundRecord] = []
         self._round: RoundRecord = {}
@@ -135,7 +149,8 @@ class PayloadFedAvg(FedAvg):
     def _start_round(self, server_round: int) -> None:
         if self._round.get("round") != server_round:
             self._round = {"round": server_round, "t_start": time.time(), "clients": {}, "refused": [],
-                           "missing": []}
+                           "missing": [], "bounded": []}
+            self._sent = {}
 
     def record_missing(self, server_round: int, node_id: int, phase: str, reason: str) -> None:
         """A node that was sent a message but gave no reply (dead, unreachable or too slow).
@@ -189,6 +204,7 @@ class PayloadFedAvg(FedAvg):
             client[f"{phase}_downlink_payload_bytes"] = codec.payload_bytes(arrays)
             client[f"{phase}_downlink_message_bytes"] = codec.message_bytes(content)
             out.append(Message(content=content, dst_node_id=node_id, message_type=template.metadata.message_type))
+        self._sent[phase] = out  # the grid gives them ids when it pushes them: replies are checked against those
         return out
 
     # ------------------------------------------------------------------ training
@@ -198,90 +214,214 @@ class PayloadFedAvg(FedAvg):
     def reply_record(self, msg: Message) -> tuple[ArrayRecord, int]:
         """A training reply's ArrayRecord and its positive ``num-examples``; PayloadError if absent."""
         content = msg.content
-        if self.arrayrecord_key not in content.array_records:
+        arrays = content.array_records
+        if self.arrayrecord_key not in arrays:
             raise PayloadError(f"no ArrayRecord '{self.arrayrecord_key}' in the reply")
-        metrics = content.metric_records.get("metrics")
-        if metrics is None or NUM_EXAMPLES not in metrics:
-            raise PayloadError(f"no MetricRecord 'metrics' with '{NUM_EXAMPLES}'")
-        num_examples = metrics[NUM_EXAMPLES]
-        if not isinstance(num_examples, int) or num_examples <= 0:
-            raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {num_examples!r}")
-        return content.array_records[self.arrayrecord_key], num_examples
+        if len(arrays) != 1:
+            raise PayloadError(f"unexpected ArrayRecords {sorted(k for k in arrays if k != self.arrayrecord_key)[:3]} "
+                               f"(a reply carries one, '{self.arrayrecord_key}')")
+        return arrays[self.arrayrecord_key], check_metrics(content)[NUM_EXAMPLES]
 
-    def validate_reply(self, msg: Message) -> tuple[dict[str, np.ndarray], int]:
-        """Decode and check one training reply; raise PayloadError with the reason."""
-        record, num_examples = self.reply_record(msg)
+    def check_layout(self, record: ArrayRecord) -> None:
+        """The declared keys, shapes and wire formats of a reply, checked before anything is decoded:
+        a reply cannot make the server allocate more than this run's layout."""
         expected = self.layout()
         if set(record) != set(expected):
             extra = sorted(set(record) - set(expected))[:3]
             missing = sorted(set(expected) - set(record))[:3]
             raise PayloadError(f"wrong key set (unexpected {extra}, missing {missing})")
-        tensors = codec.decode(record)
         for key, shape in expected.items():
-            if tuple(tensors[key].shape) != shape:
-                raise PayloadError(f"tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}")
+            array = record[key]
+            declared, _ = codec.declared_shape(key, array)
+            if declared != shape:
+                raise PayloadError(f"tensor '{key}' has shape {declared}, expected {shape}")
+            if array.dtype != "float32":
+                raise PayloadError(f"tensor '{key}' has dtype {array.dtype}, expected float32")
+            if array.stype not in codec.STYPES:
+                raise PayloadError(f"tensor '{key}' has an unknown array stype '{array.stype}'")
+            if array.stype not in self.uplink_stypes[key]:
+                raise PayloadError(f"tensor '{key}' is in wire format {array.stype!r}; this run's uplink "
+                                   f"('{self.uplink_format}') sends {sorted(self.uplink_stypes[key])}")
+            if array.stype in (codec.FP32, codec.INT4) and len(array.data) != codec.expected_nbytes(shape, array.stype):
+                raise PayloadError(f"tensor '{key}' carries {len(array.data)} bytes, expected "
+                                   f"{codec.expected_nbytes(shape, array.stype)} for shape {shape}")
         nbytes = codec.payload_bytes(record)
         if nbytes > self.uplink_budget:
             raise PayloadError(f"the payload carries {nbytes} bytes, more than the {self.uplink_budget} "
                                f"its format '{self.uplink_format}' allows")
+
+    def validate_reply(self, msg: Message) -> tuple[dict[str, np.ndarray], int]:
+        """Decode and check one training reply; raise PayloadError with the reason."""
+        record, num_examples = self.reply_record(msg)
+        self.check_layout(record)
+        tensors = codec.decode(record)
+        for key, shape in self.layout().items():
+            if tuple(tensors[key].shape) != shape:
+                raise PayloadError(f"tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}")
         return tensors, num_examples
 
-    def aggregate_payloads(self, payloads: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
-        """Combine accepted payloads into the new values of the uplink keys.
+    # ------------------------------------------------------------------ bounded influence
+    def client_update(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What a validated payload changes: ``payload − global`` (absolute uplink) or the delta itself."""
+        if self.uplink == "delta":
+            return payload
+        return {k: v.astype(np.float64) - self.global_state[k] for k, v in payload.items()}
 
-        ``uplink='absolute'``: the weighted mean of the clients' values. ``uplink='delta'``:
-        the clients sent ``local − received``; the weighted mean update is added to the
-        fp32 global state (the same result in fp32, but compressible: updates are small).
+    def update_norm(self, payload) -> float:
+        return robust.norm(self.client_update(payload))
+
+    def scale_update(self, payload, factor: float):
+        """The payload whose update is ``factor`` times this one's (the norm clip)."""
+        if self.uplink == "delta":
+            return {k: (v.astype(np.float64) * factor).astype(np.float32) for k, v in payload.items()}
+        return {k: (self.global_state[k] + factor * (v.astype(np.float64) - self.global_state[k])).astype(np.float32)
+                for k, v in payload.items()}
+
+    def proposed_values(self, payload):
+        """(key, values) a client proposes for the global state: what ``max_abs`` and
+        :meth:`value_bounds` are checked against."""
+        for key, value in payload.items():
+            yield key, (value if self.uplink == "absolute" else self.global_state[key] + value)
+
+    def value_bounds(self, key: str) -> float | None:
+        """A method's own bound on the magnitude of a federated tensor (None: only ``max_abs``)."""
+        return None
+
+    def check_values(self, payload) -> None:
+        """Refuse a payload proposing a value beyond ``robust.max_abs`` or the method's bound."""
+        limit = self.robustness.max_abs
+        for key, values in self.proposed_values(payload):
+            bounds = [b for b in (limit, self.value_bounds(key)) if b is not None]
+            if not bounds or not np.size(values):
+                continue
+            bound = min(bounds)
+            peak = float(np.max(np.abs(values)))
+            if not peak <= bound:
+                which = "robust.max_abs" if bound == limit else "the method's bound for this tensor"
+                raise PayloadError(f"tensor '{key}' proposes values up to {peak:.3g}, beyond ±{bound:g} ({which})")
+
+    def _bound(self, nodes: list[int], payloads: list, weights: list[int]) -> tuple[list, list[int]]:
+        """Cap the example counts and clip the update norms of the accepted replies (recorded)."""
+        settings = self.robustness
+        capped = robust.cap_weights(weights, settings)
+        for node, before, after in zip(nodes, weights, capped):
+            if after != before:
+                self._record_bound(node, "examples-capped", f"num-examples {before} counted as {after}")
+        if settings.clips:
+            norms = [self.update_norm(p) for p in payloads]
+            scales = robust.clip_scales(norms, settings)
+            for i, (node, norm, factor) in enumerate(zip(nodes, norms, scales)):
+                if factor < 1.0:
+                    payloads[i] = self.scale_update(payloads[i], factor)
+                    self._record_bound(node, "norm-clipped", f"update norm {norm:.4g} clipped to {norm * factor:.4g}")
+        return payloads, capped
+
+    def _record_bound(self, node_id: int, kind: str, detail: str) -> None:
+        log(WARNING, "round %s: node %s: %s", self._round.get("round"), node_id, detail)
+        self._round["bounded"].append({"node_id": int(node_id), "kind": kind, "detail": detail})
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate_payloads(self, payloads: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
+        """Combine accepted payloads into the new values of the uplink keys (no side effects:
+        :meth:`commit` applies the result once it is known to be finite).
+
+        ``robust.aggregator='mean'``, ``uplink='absolute'``: the weighted mean of the clients'
+        values. ``uplink='delta'``: the clients sent ``local − received``; the weighted mean
+        update is added to the fp32 global state (the same result in fp32, but compressible:
+        updates are small). Other aggregators combine the updates (see ``strategies.robust``).
         """
+        if self.robustness.aggregator != "mean":
+            combined = robust.aggregate([self.client_update(p) for p in payloads], [float(w) for w in weights],
+                                        self.robustness)
+            return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in combined.items()}
         mean = weighted_mean(payloads, [float(w) for w in weights])
         if self.uplink == "absolute":
             return mean
         return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in mean.items()}
 
+    def commit(self, update: dict[str, np.ndarray]) -> None:
+        """Replace the global values of the aggregated keys (a subclass keeps its own state in step)."""
+        for key, value in update.items():
+            self.global_state[key] = value.astype(np.float32)
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._start_round(server_round)
-        valid, errors = self._check_and_log_replies(list(replies), is_train=True, validate=False)
-        self._refuse_errors(server_round, valid, errors, "training")
-        payloads, weights, contents = [], [], []
-        for msg in valid:
-            node_id = msg.metadata.src_node_id
+        nodes, payloads, weights, metrics = [], [], [], []
+        for msg, reply_metrics in self._screen(replies, "train"):
+            node_id = int(msg.metadata.src_node_id)
             try:
                 tensors, num_examples = self.validate_reply(msg)
+                self.check_values(tensors)
             except PayloadError as err:
-                self._refuse(node_id, str(err))
+                self._refuse(node_id, str(err), kind="payload")
                 continue
+            except Exception as err:  # noqa: BLE001 - whatever a client sends must not stop the run
+                self._refuse(node_id, f"malformed payload ({type(err).__name__}: {err})", kind="payload")
+                continue
+            nodes.append(node_id)
             payloads.append(tensors)
             weights.append(num_examples)
-            metrics = msg.content.metric_records["metrics"]
-            contents.append(msg.content)
+            metrics.append(reply_metrics)
             client = self._client(node_id)
-            client["uplink_payload_bytes"] = codec.payload_bytes(msg.content.array_records[self.arrayrecord_key])
+            record = msg.content.array_records[self.arrayrecord_key]
+            client["uplink_payload_bytes"] = codec.payload_bytes(record)
             client["uplink_message_bytes"] = codec.message_bytes(msg.content)
-            client.update({f"train_{k}": _plain(v) for k, v in metrics.items()})
+            client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
         if not payloads:
             log(WARNING, "round %s: no acceptable training reply; the global state is unchanged", server_round)
             return None, None
+        payloads, weights = self._bound(nodes, payloads, weights)
         update = self.aggregate_payloads(payloads, weights)
         for key, value in update.items():
             if key not in self.global_state or value.shape != self.global_state[key].shape:
                 raise RuntimeError(f"aggregation produced a tensor '{key}' outside the layout")  # programming error
-            self.global_state[key] = value.astype(np.float32)
-        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        return codec.encode(self.global_state, "fp32"), metrics
+        bad = sorted(k for k, v in update.items() if not np.all(np.isfinite(v)))
+        if bad:
+            reason = f"the aggregate of {len(payloads)} replies is not finite in {bad[:3]}; the round is refused"
+            log(WARNING, "round %s: %s and the global state is unchanged", server_round, reason)
+            self._round["refused"].append({"node_id": None, "phase": "train", "kind": "round", "reason": reason})
+            return None, None
+        self.commit(update)
+        self._round["accepted"] = len(payloads)
+        return codec.encode(self.global_state, "fp32"), aggregate_metrics(metrics, weights)
 
-    def _refuse_errors(self, server_round: int, valid: list, errors: list, phase: str) -> None:
+    # ------------------------------------------------------------------ screening every reply
+    def _screen(self, replies: Iterable[Message], phase: str) -> list[tuple[Message, dict]]:
+        """Client errors, identity and metrics of a phase's replies: the ones that pass, with their metrics."""
+        replies = list(replies)
+        errors = [m for m in replies if _has_error(m)]
+        valid = [m for m in replies if not _has_error(m)]
+        label = "training" if phase == "train" else "evaluation"
         for msg in errors:
-            self._refuse(msg.metadata.src_node_id, f"client error during {phase}: {msg.error.reason}")
+            self._refuse(_node(msg), f"client error during {label}: {_error_reason(msg)}", kind="client-error",
+                         phase=phase)
             # e.g. a restarted SuperNode that lost the run's configuration: send it again next time
-            self.configured_nodes.discard(int(msg.metadata.src_node_id))
+            self.configured_nodes.discard(_node(msg))
         if errors and not valid:
-            raise ClientsFailed(
-                f"round {server_round}: every client failed during {phase}; first error: {errors[0].error.reason}"
-            )
+            raise ClientsFailed(f"round {self._round.get('round')}: every client failed during {label}; "
+                                f"first error: {_error_reason(errors[0])}")
+        sent = {str(m.metadata.message_id): m for m in self._sent.get(phase, []) if m.metadata.message_id}
+        seen_nodes: set[int] = set()
+        out = []
+        for msg in valid:
+            node_id = _node(msg)
+            reason = _identity_problem(msg, sent, seen_nodes)
+            if reason:
+                self._refuse(node_id, reason, kind="identity", phase=phase)
+                continue
+            seen_nodes.add(node_id)
+            try:
+                metrics = check_metrics(msg.content)
+            except PayloadError as err:
+                self._refuse(node_id, str(err), kind="metrics", phase=phase)
+                continue
+            out.append((msg, metrics))
+        return out
 
-    def _refuse(self, node_id: int, reason: str) -> None:
-        log(WARNING, "round %s: refused the reply of node %s: %s", self._round.get("round"), node_id, reason)
-        self._round["refused"].append({"node_id": int(node_id), "reason": reason})
+    def _refuse(self, node_id: int | None, reason: str, *, kind: str = "payload", phase: str = "train") -> None:
+        log(WARNING, "round %s: refused the %s reply of node %s: %s", self._round.get("round"), phase, node_id, reason)
+        self._round["refused"].append({"node_id": None if node_id is None else int(node_id), "phase": phase,
+                                       "kind": kind, "reason": reason})
 
     # ------------------------------------------------------------------ evaluation
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
@@ -289,17 +429,12 @@ class PayloadFedAvg(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self._start_round(server_round)
-        valid, errors = self._check_and_log_replies(list(replies), is_train=False, validate=False)
-        self._refuse_errors(server_round, valid, errors, "evaluation")
-        contents = []
-        for msg in valid:
-            metrics = msg.content.metric_records.get("metrics")
-            if metrics is None or not isinstance(metrics.get(NUM_EXAMPLES), int) or metrics[NUM_EXAMPLES] <= 0:
-                self._refuse(msg.metadata.src_node_id, "evaluation reply without a positive 'num-examples'")
-                continue
-            contents.append(msg.content)
-            self._client(msg.metadata.src_node_id).update({f"eval_{k}": _plain(v) for k, v in metrics.items()})
-        aggregated = self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key) if contents else None
+        metrics, weights = [], []
+        for msg, reply_metrics in self._screen(replies, "eval"):
+            metrics.append(reply_metrics)
+            weights.append(reply_metrics[NUM_EXAMPLES])
+            self._client(_node(msg)).update({f"eval_{k}": _plain(v) for k, v in reply_metrics.items()})
+        aggregated = aggregate_metrics(metrics, robust.cap_weights(weights, self.robustness)) if metrics else None
         self._finish_round(aggregated)
         return aggregated
 
@@ -323,3 +458,96 @@ def _plain(value):
     if isinstance(value, (np.integer, int)):
         return int(value)
     return value
+
+
+# ---------------------------------------------------------------------- reply screening helpers
+MAX_METRIC_LIST = 4096  # the longest list a metric may be (e.g. one value per layer)
+
+
+def _node(msg: Message) -> int:
+    return int(msg.metadata.src_node_id)
+
+
+def _has_error(msg: Message) -> bool:
+    try:
+        return bool(msg.has_error())
+    except Exception:  # noqa: BLE001 - a reply whose error cannot even be read is an error
+        return True
+
+
+def _error_reason(msg: Message) -> str:
+    try:
+        return str(msg.error.reason)
+    except Exception:  # noqa: BLE001
+        return "an unreadable error"
+
+
+def _identity_problem(msg: Message, sent: Mapping[str, Message], seen_nodes: set[int]) -> str | None:
+    """Why a reply cannot be counted as this round's answer of its node, or None.
+
+    ``sent`` is this round's messages of the phase by id (empty when the messages were not
+    pushed through a grid, e.g. a strategy driven by hand: then only duplicates are checked).
+    """
+    node_id = _node(msg)
+    if sent:
+        request = sent.get(str(msg.metadata.reply_to_message_id))
+        if request is None:
+            return "it answers no message sent in this round (a stale, replayed or unsolicited reply)"
+        if int(request.metadata.dst_node_id) != node_id:
+            return (f"it claims to come from node {node_id}, but the message it answers was sent to node "
+                    f"{request.metadata.dst_node_id}")
+        if int(msg.metadata.run_id) != int(request.metadata.run_id):
+            return f"it carries run id {msg.metadata.run_id}, this run is {request.metadata.run_id}"
+    if node_id in seen_nodes:
+        return "a second reply from this node in this round (only its first is counted)"
+    return None
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+def check_metrics(content: RecordDict) -> dict:
+    """A reply's one MetricRecord ``metrics`` as a dict, checked: finite numbers (or short
+    lists of them) and a positive integer ``num-examples``. PayloadError says what is wrong."""
+    records = content.metric_records
+    extra = sorted(k for k in records if k != "metrics")
+    if extra:
+        raise PayloadError(f"unexpected MetricRecords {extra[:3]} (a reply carries one, 'metrics')")
+    metrics = records.get("metrics")
+    if metrics is None or NUM_EXAMPLES not in metrics:
+        raise PayloadError(f"no MetricRecord 'metrics' with '{NUM_EXAMPLES}'")
+    num_examples = metrics[NUM_EXAMPLES]
+    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples <= 0:
+        raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {num_examples!r}")
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, list):
+            if len(value) > MAX_METRIC_LIST or not all(_finite_number(v) for v in value):
+                raise PayloadError(f"metric '{key}' must be a list of at most {MAX_METRIC_LIST} finite numbers")
+        elif not _finite_number(value):
+            raise PayloadError(f"metric '{key}' must be a finite number, got {value!r}")
+        out[key] = value
+    return out
+
+
+def aggregate_metrics(metrics: list[Mapping], weights: list[int]) -> MetricRecord:
+    """Per key, the weighted mean over the replies that report it (a missing key is not a 0);
+    a key reported as a number by some and a list by others, or as lists of different
+    lengths, is left out. ``num-examples`` is not aggregated (it is the weight)."""
+    out = MetricRecord()
+    keys = sorted({k for m in metrics for k in m} - {NUM_EXAMPLES})
+    for key in keys:
+        pairs = [(m[key], float(w)) for m, w in zip(metrics, weights) if key in m]
+        total = sum(w for _, w in pairs)
+        if total <= 0:
+            continue
+        shapes = {len(v) if isinstance(v, list) else None for v, _ in pairs}
+        if len(shapes) != 1:
+            log(WARNING, "metric '%s' is reported in different shapes by different clients; not aggregated", key)
+            continue
+        if shapes == {None}:
+            out[key] = float(sum(v * w for v, w in pairs) / total)
+        else:
+            out[key] = [float(x) for x in np.sum([np.asarray(v, np.float64) * w for v, w in pairs], axis=0) / total]
+    return out

@@ -26,6 +26,8 @@ INT4 = "postcard.int4"
 TOPK = "postcard.topk"
 LOWRANK = "postcard.lowrank"
 FORMATS = {"fp32": FP32, "int4": INT4}
+STYPES = (FP32, INT4, TOPK, LOWRANK)
+MAX_NUMEL = 2**32 - 1  # the most values one tensor may declare (top-k indices are uint32)
 
 
 class PayloadError(ValueError):
@@ -86,8 +88,28 @@ def lowrank_array(shape: tuple[int, ...], p: np.ndarray, q: np.ndarray) -> Array
                  data=p.astype("<f4").tobytes() + q.astype("<f4").tobytes())
 
 
+def declared_shape(name: str, array) -> tuple[tuple[int, ...], int]:
+    """An Array's declared (shape, number of values), checked before anything is allocated.
+
+    Dimensions must be non-negative integers and their product (computed with Python
+    integers, so it cannot overflow) at most :data:`MAX_NUMEL`; PayloadError otherwise.
+    """
+    try:
+        shape = tuple(int(s) for s in array.shape)
+    except (TypeError, ValueError):
+        raise PayloadError(f"tensor '{name}' declares a shape that is not a list of integers: {array.shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise PayloadError(f"tensor '{name}' declares negative dimensions {shape}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel > MAX_NUMEL:
+        raise PayloadError(f"tensor '{name}' declares {numel} values (shape {shape}), more than {MAX_NUMEL}")
+    return shape, numel
+
+
 def _decode_topk(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
-    numel = int(np.prod(shape)) if shape else 1
+    numel = _numel(shape)
     if len(data) % 8 or not 0 < len(data) // 8 <= numel:
         raise PayloadError(f"tensor '{name}' carries {len(data)} bytes, not 8·k with 1 <= k <= {numel}")
     k = len(data) // 8
@@ -103,8 +125,10 @@ def _decode_topk(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
 def _decode_lowrank(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
     if len(shape) < 2:
         raise PayloadError(f"tensor '{name}' of shape {shape} cannot be low-rank (needs >= 2 dimensions)")
-    m, n = shape[0], int(np.prod(shape[1:]))
+    m, n = shape[0], _numel(shape[1:])
     per_rank = 4 * (m + n)
+    if per_rank == 0:
+        raise PayloadError(f"tensor '{name}' of shape {shape} has no values to factorise")
     rank = len(data) // per_rank
     if len(data) % per_rank or not 1 <= rank <= min(m, n):
         raise PayloadError(f"tensor '{name}' carries {len(data)} bytes, not 4·r·({m}+{n}) with 1 <= r <= {min(m, n)}")
@@ -115,8 +139,15 @@ def _decode_lowrank(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarra
     return (p @ q.T).reshape(shape).astype(np.float32)
 
 
+def _numel(shape) -> int:
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    return numel
+
+
 def expected_nbytes(shape: tuple[int, ...], stype: str) -> int:
-    numel = int(np.prod(shape)) if shape else 1
+    numel = _numel(shape)
     if stype == FP32:
         return 4 * numel
     if stype == INT4:
@@ -130,7 +161,7 @@ def decode(record: ArrayRecord) -> dict[str, np.ndarray]:
         raise PayloadError(f"expected an ArrayRecord, got {type(record).__name__}")
     out: dict[str, np.ndarray] = {}
     for name, array in record.items():
-        shape = tuple(int(s) for s in array.shape)
+        shape, numel = declared_shape(name, array)
         if array.dtype != "float32":
             raise PayloadError(f"tensor '{name}' has dtype {array.dtype}, expected float32")
         if array.stype in (TOPK, LOWRANK):
@@ -148,8 +179,10 @@ def decode(record: ArrayRecord) -> dict[str, np.ndarray]:
         else:
             from strategies.int4 import unpack_int4
 
-            numel = int(np.prod(shape)) if shape else 1
-            arr = unpack_int4(array.data, numel).reshape(shape)
+            try:
+                arr = unpack_int4(array.data, numel).reshape(shape)
+            except ValueError as err:
+                raise PayloadError(f"tensor '{name}': {err}") from None
         if not np.all(np.isfinite(arr)):
             raise PayloadError(f"tensor '{name}' holds NaN or Inf")
         out[name] = arr

@@ -89,6 +89,18 @@ def max_nbytes(layout: Mapping[str, tuple[int, ...]], fmt: str, *, fraction: flo
     return total
 
 
+def expected_stypes(layout: Mapping[str, tuple[int, ...]], fmt: str, *, rank: int | None = None) -> dict[str, set[str]]:
+    """The wire format(s) each tensor of ``layout`` may arrive in under uplink format ``fmt``:
+    a reply in any other (int4 or top-k in an fp32 run, say) is refused before it is decoded."""
+    out = {}
+    for key, shape in layout.items():
+        if fmt == "powersgd":
+            out[key] = {codec.LOWRANK} if lowrank_applies(tuple(shape), int(rank)) else {codec.FP32}
+        else:
+            out[key] = {{"fp32": codec.FP32, "int4": codec.INT4, "topk": codec.TOPK}[fmt]}
+    return out
+
+
 def topk(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(sorted flat indices, their values) of the ``k`` entries of largest magnitude."""
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)

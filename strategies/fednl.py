@@ -12,6 +12,10 @@ restarts at zero. The strategy refuses at construction an initial state holding 
 else (a backbone weight, an MLP adapter, LoRA in ``gate`` mode), and every reply must
 carry exactly the same key set (:class:`~strategies.base.PayloadFedAvg`). The gate is
 averaged as a logit; each round's record also holds the mean α = sigmoid(gate) per layer.
+
+Bounded influence: a gate or β value a client proposes beyond ±``MEMORY_BOUND`` is refused
+(a logit of 30 already means α = 1 − 10⁻¹³: larger values only saturate or overflow the
+sigmoid); the LoRA factors fall under the run's ``robust`` bounds like any other tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from strategies.base import PayloadFedAvg
 
 MODES = ("meta-rules", "gate")
+MEMORY_BOUND = 30.0  # |gate logit|, |β weight/bias| a reply may propose
 _MEMORY = re.compile(r"(^|\.)fednl_(gate|beta)(\.|$)")
 _QKV_LORA = re.compile(r"\.(q_proj|k_proj|v_proj)\.lora_[AB]\.")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -68,6 +73,9 @@ class FedNL(PayloadFedAvg):
         check_theta(list(initial_state), mode)
         super().__init__(initial_state=initial_state, **kwargs)
         self.mode = mode
+
+    def value_bounds(self, key: str) -> float | None:
+        return MEMORY_BOUND if theta_kind(key) == "memory" else None
 
     def aggregate_train(self, server_round: int, replies):
         arrays, metrics = super().aggregate_train(server_round, replies)

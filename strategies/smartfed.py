@@ -18,8 +18,10 @@ experts are *active*. One round ``t`` (allocation ``alloc_t``):
 4. **Aggregation.** Each expert's delta is averaged over the clients that sent it,
    weighted by their ``num-examples`` (:func:`strategies.sparse.aggregate`); experts
    nobody updated keep their values.
-5. **Re-allocation.** The aggregated importance feeds :meth:`EEQA.step`, which prunes
-   experts that stayed unimportant and shares the budget out again: ``alloc_{t+1}``.
+5. **Re-allocation.** The aggregated importance (each client's report first rescaled to a
+   common total, so that no client steers the allocation beyond its example share) feeds
+   :meth:`EEQA.step`, which prunes experts that stayed unimportant and shares the budget
+   out again: ``alloc_{t+1}``. A round with no accepted reply keeps the allocation.
    The evaluation of round ``t`` (and the saved final model) use ``alloc_{t+1}``: the
    mixture exactly as it is sent next.
 
@@ -37,13 +39,15 @@ Byte accounting, refusal logging, round records and evaluation are
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from strategies import sparse
+from strategies import codec, robust, sparse
 from strategies.base import PayloadFedAvg
+from strategies.codec import PayloadError
 from strategies.eeqa import EEQA, Allocation, select_active
 
 BACKBONE_KEY = "backbone-fingerprint"  # ConfigRecord key: the pool's backbone fingerprint
@@ -53,6 +57,25 @@ LAYOUT_KEY = "layout-fingerprint"  # ConfigRecord key: the server's expert layou
 def matrix_kind(matrix: str) -> str:
     """``"model.layers.3.self_attn.q_proj"`` -> ``"q_proj"`` (for per-kind summaries)."""
     return matrix.rsplit(".", 1)[-1]
+
+
+def normalise_importance(payloads: list[Mapping[str, sparse.MatrixPayload]]) -> list[dict[str, sparse.MatrixPayload]]:
+    """Each client's importance report rescaled to the same total (the lower median of the
+    clients' totals): a client's pull on the next allocation is its example share, however
+    large the numbers it reports."""
+    totals = [sum(float(np.sum(p.importance)) for p in parts.values() if p.importance is not None)
+              for parts in payloads]
+    positive = [t for t in totals if t > 0]
+    if not positive:
+        return [dict(parts) for parts in payloads]
+    target = robust.lower_median(positive)
+    out = []
+    for parts, total in zip(payloads, totals):
+        factor = target / total if total > 0 else 1.0
+        out.append({m: replace(p, importance=None if p.importance is None else
+                               (p.importance.astype(np.float64) * factor).astype(np.float32))
+                    for m, p in parts.items()})
+    return out
 
 
 def prior_importance(state: sparse.ExpertState) -> dict[str, np.ndarray]:
@@ -79,6 +102,10 @@ class SmartFedStrategy(PayloadFedAvg):
             raise ValueError("EEQA was built for other matrices or expert counts than the expert layout")
         if eeqa.rounds:
             raise ValueError("pass a fresh EEQA (it is stepped by the strategy)")
+        if kwargs.get("robustness") is not None and kwargs["robustness"].aggregator != "mean":
+            raise ValueError(f"SmartFed's sparse expert updates are combined by the weighted mean only; "
+                             f"robust.aggregator={kwargs['robustness'].aggregator!r} is not supported (use the "
+                             "norm clip and example cap of robust=default)")
         initial = state.to_tensors()
         fields = ("router", "A", "B") if layout.train_experts else ("router",)
         keys = [f"{m}/{f}" for m in layout for f in fields]
@@ -92,6 +119,7 @@ class SmartFedStrategy(PayloadFedAvg):
         self.allocations: list[dict] = [self._describe(self.allocation, 0)]
         self._round_allocation: Allocation | None = None
         self._importance: dict[str, np.ndarray] | None = None
+        self._pending = None
 
     # ------------------------------------------------------------------ allocation
     def _first_allocation(self) -> Allocation:
@@ -138,6 +166,7 @@ class SmartFedStrategy(PayloadFedAvg):
     def validate_reply(self, msg: Message) -> tuple[dict[str, sparse.MatrixPayload], int]:
         """Decode one training reply into validated sparse parts; PayloadError says why not."""
         record, num_examples = self.reply_record(msg)
+        self.check_wire(record)
         allocation = self._round_allocation or self.allocation
         parts = sparse.decode(
             record,
@@ -150,8 +179,41 @@ class SmartFedStrategy(PayloadFedAvg):
         client["uplink_experts"] = int(sum(p.ids.size for p in parts.values()))
         return parts, num_examples
 
+    def check_wire(self, record: ArrayRecord) -> None:
+        """Declared shapes, dtypes and wire formats before decoding: ids and importance in fp32,
+        values in this run's uplink format."""
+        values = codec.FORMATS.get(self.uplink_format)
+        for key, array in record.items():
+            _, field = sparse.split_key(key)
+            codec.declared_shape(key, array)
+            if array.dtype != "float32":
+                raise PayloadError(f"tensor '{key}' has dtype {array.dtype}, expected float32")
+            want = values if field in sparse.VALUE_FIELDS else codec.FP32
+            if array.stype != want:
+                raise PayloadError(f"tensor '{key}' is in wire format {array.stype!r}; this run sends "
+                                   f"{field} as {want!r}")
+
+    # bounded influence over sparse deltas: the norm of what a client changes, and what it proposes
+    def update_norm(self, payload: Mapping[str, sparse.MatrixPayload]) -> float:
+        return robust.norm({f"{m}/{n}": getattr(p, n) for m, p in payload.items() for n in sparse.VALUE_FIELDS
+                            if getattr(p, n) is not None})
+
+    def scale_update(self, payload: Mapping[str, sparse.MatrixPayload], factor: float):
+        return {m: replace(p, **{n: (getattr(p, n).astype(np.float64) * factor).astype(np.float32)
+                                 for n in sparse.VALUE_FIELDS if getattr(p, n) is not None})
+                for m, p in payload.items()}
+
+    def proposed_values(self, payload: Mapping[str, sparse.MatrixPayload]):
+        for m, part in payload.items():
+            for name in sparse.VALUE_FIELDS:
+                value = getattr(part, name)
+                if value is not None and part.ids.size:
+                    yield f"{m}/{name}", getattr(self.state, name)[m][part.ids] + value
+
     def aggregate_payloads(self, payloads: list[Mapping[str, sparse.MatrixPayload]], weights: list[int]):
-        """Sparse example-weighted FedAvg of the deltas; keeps the round's importance for EEQA."""
+        """Sparse example-weighted FedAvg of the deltas, importance normalised per client; applied
+        to the expert state (and kept for EEQA) by :meth:`commit` once it is known to be finite."""
+        payloads = normalise_importance(payloads)
         new_state, importance = sparse.aggregate(self.state, [(p, float(w)) for p, w in zip(payloads, weights)])
         updated = 0
         for m in self.expert_layout:
@@ -160,19 +222,28 @@ class SmartFedStrategy(PayloadFedAvg):
                 if m in payload and payload[m].ids.size:
                     touched[payload[m].ids] = True
             updated += int(touched.sum())
-        self.state = new_state
-        self._importance = importance
-        self._round["experts_updated"] = updated
+        self._pending = (new_state, importance, updated)
         return new_state.to_tensors()
+
+    def commit(self, update: dict[str, np.ndarray]) -> None:
+        super().commit(update)
+        self.state, self._importance, self._round["experts_updated"] = self._pending
+        self._pending = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._importance = None
+        self._pending = None
         result = super().aggregate_train(server_round, replies)
+        if result[0] is None:  # nothing accepted (or the round refused): the allocation stands
+            self._round["smartfed"] = {"for_round": server_round + 1, "reallocated": False,
+                                       "active_experts": int(self.allocation.total)}
+            self._round_allocation = None
+            return result
         self._reallocate(server_round)
         return result
 
     def _reallocate(self, server_round: int) -> None:
-        """EEQA step with the round's aggregated importance (none if every reply was refused)."""
+        """EEQA step with the round's aggregated importance (only after a round that changed the state)."""
         self.allocation = self.eeqa.step(self._importance or {})
         described = self._describe(self.allocation, server_round)
         described["experts_updated"] = int(self._round.pop("experts_updated", 0))

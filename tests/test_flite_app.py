@@ -45,16 +45,23 @@ def test_delta_uplink_adds_the_mean_update_to_the_fp32_global_latents():
     (dict(fp="ffff"), "fingerprint"),
     (dict(z=np.zeros(1279, np.float32)), "has shape"),
     (dict(z=np.full(1280, np.nan, np.float32), fmt="fp32"), "NaN"),
+    (dict(), "must be finite"),
 ])
 def test_mismatched_wrong_length_or_nan_latents_are_refused(bad, reason):
     s = strategy()
     before = s.global_state["z"].copy()
     z = bad.pop("z", np.ones(1280, np.float32))
-    if reason == "NaN":
+    if reason == "NaN":  # an fp32 latent in an int4 run is refused as such
+        msg = reply(3, np.ones(1280, np.float32), fmt="fp32")
+        reason = "wire format"
+    elif reason == "must be finite":  # an int4 latent whose scale is NaN
+        import struct
+
         from flwr.app import Array
 
-        msg = reply(3, np.ones(1280, np.float32), fmt="fp32")
-        msg.content["arrays"]["z"] = Array(dtype="float32", shape=(1280,), stype=codec.FP32, data=z.tobytes())
+        msg = reply(3, np.ones(1280, np.float32))
+        msg.content["arrays"]["z"] = Array(dtype="float32", shape=(1280,), stype=codec.INT4,
+                                           data=bytes(640) + struct.pack("<ff", float("nan"), 0.0))
     else:
         msg = reply(3, z, **bad)
     arrays, _ = s.aggregate_train(1, [msg])
