@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from flwr.app import Context
+from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedapps.client_app import app as client_app
@@ -33,8 +34,11 @@ def client_resources(cfg, num_clients: int) -> dict:
     return {"num_cpus": cpus, "num_gpus": float(gpus)}
 
 
-def simulate(cfg, *, total_cpus: int | None = None) -> dict:
-    """Run ``cfg`` with ``cfg.num_clients`` (or the task's default) simulated SuperNodes."""
+def simulate(cfg, *, total_cpus: int | None = None, clients: ClientApp | None = None) -> dict:
+    """Run ``cfg`` with ``cfg.num_clients`` (or the task's default) simulated SuperNodes.
+
+    ``clients``: another ClientApp than Postcard's (e.g. one wrapped in a mod that
+    misbehaves, to test the server against hostile clients)."""
     from flwr.simulation import run_simulation
 
     num_clients = int(cfg.num_clients or cfg.task.default_clients)
@@ -49,7 +53,7 @@ def simulate(cfg, *, total_cpus: int | None = None) -> dict:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     run_simulation(
         server_app=server_app,
-        client_app=client_app,
+        client_app=clients or client_app,
         num_supernodes=num_clients,
         backend_name="ray",
         backend_config={
