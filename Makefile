@@ -88,6 +88,7 @@ test-deploy-all: assets
 bench: assets
 	$(PY) -m fedapps.demo --report docs/bench/demo
 	$(PY) bench/baseline_bytes.py
+	$(PY) bench/fuzz_table.py
 	$(PY) bench/flite.py
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \

@@ -36,6 +36,8 @@ REPORTS = (
     ("SmartFed vs FedAvg-LoRA, both at lr 3e-3", DOCS / "bench" / "smartfed-lr3" / "smartfed.md",
      "bench/smartfed.py --lr 3e-3 --memory-steps 0 ... --out docs/bench/smartfed-lr3 (see Makefile)", None),
     ("Uplink bytes of the baselines", DOCS / "bench" / "baseline_bytes.md", "bench/baseline_bytes.py", None),
+    ("Hostile replies: every kind through every strategy", DOCS / "bench" / "fuzz_table.md", "bench/fuzz_table.py",
+     None),
 )
 
 

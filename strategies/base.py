@@ -318,7 +318,8 @@ class PayloadFedAvg(FedAvg):
 
     def _record_bound(self, node_id: int, kind: str, detail: str) -> None:
         log(WARNING, "round %s: node %s: %s", self._round.get("round"), node_id, detail)
-        self._round["bounded"].append({"node_id": int(node_id), "kind": kind, "detail": detail})
+        self._round["bounded"].append({"node_id": int(node_id), "round": self._round.get("round"), "kind": kind,
+                                       "detail": detail})
 
     # ------------------------------------------------------------------ aggregation
     def aggregate_payloads(self, payloads: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
@@ -379,7 +380,8 @@ class PayloadFedAvg(FedAvg):
         if bad:
             reason = f"the aggregate of {len(payloads)} replies is not finite in {bad[:3]}; the round is refused"
             log(WARNING, "round %s: %s and the global state is unchanged", server_round, reason)
-            self._round["refused"].append({"node_id": None, "phase": "train", "kind": "round", "reason": reason})
+            self._round["refused"].append({"node_id": None, "round": server_round, "phase": "train", "kind": "round",
+                                           "reason": reason})
             return None, None
         self.commit(update)
         self._round["accepted"] = len(payloads)
@@ -420,8 +422,9 @@ class PayloadFedAvg(FedAvg):
 
     def _refuse(self, node_id: int | None, reason: str, *, kind: str = "payload", phase: str = "train") -> None:
         log(WARNING, "round %s: refused the %s reply of node %s: %s", self._round.get("round"), phase, node_id, reason)
-        self._round["refused"].append({"node_id": None if node_id is None else int(node_id), "phase": phase,
-                                       "kind": kind, "reason": reason})
+        self._round["refused"].append({"node_id": None if node_id is None else int(node_id),
+                                       "round": self._round.get("round"), "phase": phase, "kind": kind,
+                                       "reason": reason})
 
     # ------------------------------------------------------------------ evaluation
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
