@@ -1,60 +1,40 @@
-"""End to end: a Flower simulation (Ray, tiny Llama) in which one client misbehaves every round.
+"""End to end: runs on the tiny Llama in which one client misbehaves every round.
 
-The hostile client is Postcard's own ClientApp wrapped in a Flower mod that corrupts its
-replies: round 1 a training payload full of NaN (refused), round 2 an update 1,000x its
-real size (accepted, clipped to the norm bound), and every evaluation a NaN perplexity
-(refused). The run must finish, learn, record each refusal and bound with the node, round,
-kind and reason in metrics.jsonl, and count them by kind in summary.json.
+The hostile client is Postcard's own ClientApp wrapped in a Flower mod (tests/hostile_app.py)
+that corrupts its replies: round 1 a training payload full of NaN (refused), round 2 an
+update 1,000x its real size (accepted, clipped to the norm bound), and every evaluation a
+NaN perplexity (refused). The run must finish, learn, record each refusal and bound with
+the node, round, kind and reason in metrics.jsonl, and count them by kind in summary.json:
+once in-process through ``run_server`` (Ray simulation), once with ``flwr run`` of an app
+whose ClientApp is the hostile one and whose ServerApp is Postcard's.
 """
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Message
-from flwr.clientapp import ClientApp
 
-from fedapps import client_app as postcard
 from fedapps.config import compose
 from fedapps.outputs import read_metrics
 from fedapps.simulation import simulate
-from strategies import codec
+from hostile_app import app as hostile
 
 pytestmark = pytest.mark.slow
 
 
-def corrupt(msg: Message, context, call_next) -> Message:
-    reply = call_next(msg, context)
-    if int(context.node_config["partition-id"]) != 0 or reply.has_error():
-        return reply
-    server_round = int(msg.content["config"]["server-round"])
-    if msg.metadata.message_type == "train":
-        sent = codec.decode(msg.content["arrays"])
-        mine = codec.decode(reply.content["arrays"])
-        if server_round == 1:
-            key = sorted(mine)[0]
-            record = reply.content["arrays"]
-            record[key] = codec.fp32_array(mine[key].shape, np.zeros_like(mine[key]))
-            record[key].data = np.full(mine[key].size, np.nan, "<f4").tobytes()
-        else:
-            scaled = {k: sent[k] + 1000.0 * (mine[k] - sent[k]) for k in mine}
-            reply.content["arrays"] = codec.encode(scaled)
-    else:
-        reply.content["metrics"]["perplexity"] = float("nan")
-    return reply
-
-
-hostile = ClientApp(mods=[corrupt])
-hostile.train()(postcard.train)
-hostile.evaluate()(postcard.evaluate)
-
-
 def test_one_hostile_client_neither_stops_nor_poisons_the_run(outputs, monkeypatch):
-    import os
-    import sys
-
     here = os.path.dirname(__file__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, *sys.path]))  # Ray workers import this module
     cfg = compose(["rounds=2", "num_clients=3", "train.local_steps=4"], preset="test")
-    summary = simulate(cfg, clients=hostile)
+    check_run(simulate(cfg, clients=hostile))
+
+
+def check_run(summary: dict) -> None:
     rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2]
     node = {c["node_id"] for r in rounds for c in r["clients"] if c.get("eval_partition-id") == 0
@@ -70,3 +50,63 @@ def test_one_hostile_client_neither_stops_nor_poisons_the_run(outputs, monkeypat
     assert summary["bounded_by_kind"] == {"norm-clipped": 1}
     # the model still learns, and the reported metric is the honest clients'
     assert np.isfinite(summary["final_metric"]) and summary["final_metric"] < summary["initial_metric"]
+
+
+APP_PYPROJECT = """
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "postcard-hostile"
+version = "0.1.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "postcard"
+
+[tool.flwr.app.components]
+serverapp = "fedapps.server_app:app"
+clientapp = "hostile_app:app"
+
+[tool.flwr.app.config]
+algorithm = "fedavg-lora"
+task = "shakespeare"
+model = ""
+partition = ""
+preset = ""
+robust = ""
+overrides = ""
+output-dir = ""
+"""
+
+
+def test_flwr_run_with_one_hostile_supernode(tmp_path):
+    from fedapps.superlink import stop as stop_superlinks
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text(APP_PYPROJECT)
+    shutil.copy(Path(__file__).with_name("hostile_app.py"), app / "hostile_app.py")
+    out = tmp_path / "runs"
+    home = tmp_path / "flwr-home"
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    overrides = "rounds=2 num_clients=3 train.local_steps=4"
+    try:
+        proc = subprocess.run(
+            [shutil.which("flwr", path=env["PATH"]), "run", str(app), "--stream",
+             "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
+             "--run-config", f"preset='test' overrides='{overrides}' output-dir='{out}'"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        stop_superlinks(home)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    runs = list(out.iterdir())
+    assert len(runs) == 1 and (runs[0] / "summary.json").exists(), log[-3000:]
+    check_run(json.loads((runs[0] / "summary.json").read_text()))
+    assert "refused the train reply of node" in log
