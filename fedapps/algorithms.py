@@ -6,7 +6,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-# algorithm name -> module holding its pair (``serverapp``, ``clientapp``, ``plan_server``)
+# algorithm name -> module holding its pair (``clientapp``, ``plan_server``); every pair runs on
+# Postcard's one ServerApp (fedapps.server_app), which calls the pair's ``plan_server``
 PAIRS = {
     "fedavg-lora": "fedapps.baselines",
     "fedprox": "fedapps.baselines",

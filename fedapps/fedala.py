@@ -39,7 +39,6 @@ from flwr.clientapp import ClientApp
 from clients.adapters import all_lora_state, federated_state, load_federated_state
 from clients.train import autocast, local_metrics, local_train
 from clients.train import evaluate as evaluate_model
-from fedapps import server_app
 from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import prepare, round_seed
 from fedapps.session import client_config, reply, session
@@ -258,7 +257,3 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
 
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return plan_lora_server(cfg, FedALA, on_round_end=on_round_end, config_yaml=config_yaml)
-
-
-# the pair's ServerApp is Postcard's common one: compose the config, run the runner
-serverapp = server_app.app

@@ -43,7 +43,6 @@ from clients.fednl import (
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps import server_app
 from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import round_seed
 from fedapps.session import client_config, reply, session
@@ -212,7 +211,3 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         return {"final_state": str(target), "payload_mode": mode, "final_gate_alpha": gate_alpha(global_state)}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
-
-
-# the pair's ServerApp is Postcard's common one: compose the config, run the runner
-serverapp = server_app.app

@@ -35,7 +35,6 @@ from flwr.clientapp import ClientApp
 from clients.adapters import federated_state, load_federated_state
 from clients.train import TrainingError, autocast, local_metrics
 from clients.train import evaluate as evaluate_model
-from fedapps import server_app
 from fedapps.algorithms import ServerPlan
 from fedapps.baselines import prepare, round_seed
 from fedapps.fedala import plan_lora_server
@@ -214,7 +213,3 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     ssi = cfg.algorithm.ssi
     return plan_lora_server(cfg, FedSSI, on_round_end=on_round_end, config_yaml=config_yaml,
                             c=float(ssi.c), lam=float(ssi.lam))
-
-
-# the pair's ServerApp is Postcard's common one: compose the config, run the runner
-serverapp = server_app.app

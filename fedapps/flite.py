@@ -16,12 +16,11 @@ from clients.flite import FliteConfig, apply_flite, fingerprint, get_latents, nu
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps import server_app
 from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import round_seed, uplink_kwargs
 from fedapps.session import ClientSetupError, client_config, reply, session, uplink_record
 from strategies import codec
-from strategies.flite import FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
+from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
 
 
 def flite_config(cfg) -> FliteConfig:
@@ -41,7 +40,7 @@ def prepare(cfg):
 
 def _load(s, msg: Message) -> np.ndarray:
     expected = s.extra["fingerprint"]
-    sent = msg.content["config"].get("flite-fingerprint")
+    sent = msg.content["config"].get(FINGERPRINT_KEY)
     if sent is not None and sent != expected:
         raise ClientSetupError(f"the server's FLITE fingerprint {sent} differs from this client's {expected}")
     z = codec.decode(msg.content["arrays"])[LATENT_KEY]
@@ -100,7 +99,3 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         return {"final_state": str(target), "latents": extra["latents"], "fingerprint": extra["fingerprint"]}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
-
-
-# the pair's ServerApp is Postcard's common one: compose the config, run the runner
-serverapp = server_app.app

@@ -24,7 +24,7 @@ import time
 from logging import INFO, WARNING
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -220,20 +220,22 @@ def run_server(grid: Grid, cfg) -> dict:
     else:
         # round 0: every client evaluates the initial global state
         rounds.ensure_nodes()
-        replies = rounds.send(0, "evaluate", strategy.configure_evaluate(0, strategy.downlink_arrays(), ConfigRecord(), grid))
+        replies = rounds.send(0, "evaluate", strategy.configure_evaluate(0, ArrayRecord(), ConfigRecord(), grid))
         strategy.aggregate_evaluate(0, replies)
         save_checkpoint(0)
         first = 1
 
+    # the strategy encodes its own downlink (its wire format, its active experts) once per phase:
+    # configure_* get an empty ArrayRecord rather than a second encoding to throw away
     t_start = time.time()
     for server_round in range(first, int(cfg.rounds) + 1):
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", server_round, cfg.rounds)
         rounds.ensure_nodes()
-        messages = strategy.configure_train(server_round, strategy.downlink_arrays(), ConfigRecord(), grid)
+        messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
         strategy.aggregate_train(server_round, rounds.send(server_round, "train", messages))
         rounds.ensure_nodes()
-        messages = strategy.configure_evaluate(server_round, strategy.downlink_arrays(), ConfigRecord(), grid)
+        messages = strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
         strategy.aggregate_evaluate(server_round, rounds.send(server_round, "evaluate", messages))
         save_checkpoint(server_round)
     log(INFO, "rounds %d..%d finished in %.1f s", first, cfg.rounds, time.time() - t_start)

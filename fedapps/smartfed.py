@@ -48,7 +48,6 @@ from clients.smartfed.more import (
 from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_fingerprint
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps import server_app
 from fedapps.algorithms import ServerPlan, strategy_settings
 from fedapps.baselines import round_seed
 from fedapps.pool_cli import backbone_descriptor, default_pool_dir
@@ -325,10 +324,6 @@ def load_run_mixture(model, run_dir, cfg) -> dict[str, np.ndarray]:
     return load_mixture(model, state.gather(active), more_config(cfg))
 
 
-# the pair's ServerApp is Postcard's common one: compose the config, run the runner
-serverapp = server_app.app
-
-
 __all__ = [
     "SmartFedError",
     "clientapp",
@@ -338,6 +333,5 @@ __all__ = [
     "open_pool",
     "plan_server",
     "prepare",
-    "serverapp",
     "to_layout_ids",
 ]

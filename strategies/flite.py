@@ -15,7 +15,8 @@ from strategies.base import PayloadFedAvg
 from strategies.codec import PayloadError
 
 LATENT_KEY = "z"
-FINGERPRINT_RECORD = "flite"
+FINGERPRINT_RECORD = "flite"  # the reply's ConfigRecord carrying the client's fingerprint
+FINGERPRINT_KEY = "flite-fingerprint"  # the train/evaluate config key carrying the server's
 
 
 class FliteStrategy(PayloadFedAvg):
@@ -33,7 +34,7 @@ class FliteStrategy(PayloadFedAvg):
         self.fingerprint = fingerprint
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
-        config["flite-fingerprint"] = self.fingerprint
+        config[FINGERPRINT_KEY] = self.fingerprint
         return super().train_config_for(server_round, node_id, config)
 
     def validate_reply(self, msg):

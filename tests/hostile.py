@@ -38,7 +38,7 @@ from strategies.eeqa import EEQA
 from strategies.fedala import FedALA
 from strategies.fednl import FedNL
 from strategies.fedssi import FedSSI
-from strategies.flite import FINGERPRINT_RECORD, FliteStrategy
+from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, FliteStrategy
 from strategies.smartfed import SmartFedStrategy
 
 NODES = (1, 2, 3, 4)
@@ -169,8 +169,8 @@ def reply_to(request: Message, arrays: ArrayRecord | None, *, num_examples=None,
     if arrays is not None:
         content["arrays"] = arrays
     if isinstance(request.content.config_records.get("config"), ConfigRecord) and \
-            "flite-fingerprint" in request.content["config"]:
-        content[FINGERPRINT_RECORD] = ConfigRecord({"fingerprint": request.content["config"]["flite-fingerprint"]})
+            FINGERPRINT_KEY in request.content["config"]:
+        content[FINGERPRINT_RECORD] = ConfigRecord({"fingerprint": request.content["config"][FINGERPRINT_KEY]})
     for name, record in (extra or {}).items():
         content[name] = record
     return Message(content, reply_to=request)

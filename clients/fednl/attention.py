@@ -47,7 +47,6 @@ Typical use (the order matters: PEFT freezes everything that is not LoRA)::
 from __future__ import annotations
 
 import math
-import re
 import sys
 import types
 from collections.abc import Callable
@@ -58,21 +57,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from clients.fednl.deltarule import delta_rule_chunked, delta_rule_recurrent, fla_usable, l2_normalize
+from strategies.fednl import MODES as PAYLOAD_MODES  # the wire contract: the server's names and modes
+from strategies.fednl import theta_kind
 
 Tensor = torch.Tensor
 
 GATE_MODES = ("scalar", "channel")
 BETA_MODES = ("input", "constant")
 QK_ACTIVATIONS = ("silu", "identity")
-PAYLOAD_MODES = ("meta-rules", "gate")
 STREAM_FORMS = ("recurrent", "chunked")
 
 # What a Llama-family attention module has (LlamaAttention, Qwen2Attention, ...).
 _ATTENTION_ATTRIBUTES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "num_key_value_groups", "scaling", "layer_idx", "config",
 )  # fmt: skip
-_MEMORY_PARAM = re.compile(r"(^|\.)fednl_(gate|beta)(\.|$)")
-_QKV_LORA_PARAM = re.compile(r"\.(q_proj|k_proj|v_proj)\.lora_")
 
 
 @dataclass
@@ -182,12 +180,12 @@ def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.
 
 def is_memory_param(name: str) -> bool:
     """Whether a parameter name belongs to the memory rule (gate or beta)."""
-    return _MEMORY_PARAM.search(name) is not None
+    return theta_kind(name) == "memory"
 
 
 def is_qkv_lora_param(name: str) -> bool:
     """Whether a parameter name is a PEFT LoRA weight on q_proj, k_proj or v_proj."""
-    return _QKV_LORA_PARAM.search(name) is not None
+    return theta_kind(name) == "lora"
 
 
 def meta_rule_names(model: nn.Module, mode: str = "meta-rules") -> list[str]:
