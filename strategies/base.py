@@ -290,7 +290,9 @@ class PayloadFedAvg(FedAvg):
     def check_values(self, payload) -> None:
         """Refuse a payload proposing a value beyond ``robust.max_abs`` or the method's bound."""
         limit = self.robustness.max_abs
-        for key, values in self.proposed_values(payload):
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this check refuses
+            proposed = list(self.proposed_values(payload))
+        for key, values in proposed:
             bounds = [b for b in (limit, self.value_bounds(key)) if b is not None]
             if not bounds or not np.size(values):
                 continue
@@ -372,7 +374,8 @@ class PayloadFedAvg(FedAvg):
             log(WARNING, "round %s: no acceptable training reply; the global state is unchanged", server_round)
             return None, None
         payloads, weights = self._bound(nodes, payloads, weights)
-        update = self.aggregate_payloads(payloads, weights)
+        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused below
+            update = self.aggregate_payloads(payloads, weights)
         for key, value in update.items():
             if key not in self.global_state or value.shape != self.global_state[key].shape:
                 raise RuntimeError(f"aggregation produced a tensor '{key}' outside the layout")  # programming error
