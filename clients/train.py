@@ -135,57 +135,106 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return params
 
 
+class TrainHooks:
+    """What a method adds to :func:`local_train`'s loop, so that every method trains in the one
+    loop (and gets its memory options): an objective ``data_weight · loss + penalty()`` and
+    observers around each optimiser step. FedProx's proximal term (:class:`Proximal`) and
+    FedSSI's synaptic intelligence (``clients.fedssi``) are hooks."""
+
+    data_weight: float = 1.0
+
+    def penalty(self) -> torch.Tensor | float:
+        """A term added to the step's loss (0: none)."""
+        return 0.0
+
+    def after_backward(self) -> None:
+        """Called with the step's gradients in place, before clipping and the optimiser step."""
+
+    def after_step(self) -> None:
+        """Called after the optimiser step."""
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the method's own terms, added to the training metrics."""
+        return {}
+
+
+class Proximal(TrainHooks):
+    """FedProx (Li et al., 2020): ``(mu/2)·||w − w_ref||²`` over the ``reference`` tensors."""
+
+    def __init__(self, model, mu: float, reference: dict[str, torch.Tensor]) -> None:
+        if not reference:
+            raise TrainingError("FedProx needs the global reference tensors")
+        named = dict(model.named_parameters())
+        self.mu = float(mu)
+        self.pairs = [(named[k], v.to(named[k].device)) for k, v in reference.items()]
+
+    def penalty(self) -> torch.Tensor:
+        return 0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in self.pairs)
+
+
 def local_train(
     model,
     task,
     train_cfg,
     *,
     seed: int,
+    hooks: TrainHooks | None = None,
+    steps: int | None = None,
     proximal_mu: float = 0.0,
     reference: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float | int]:
-    """Run ``train_cfg.local_steps`` AdamW steps on the client's training split.
+    """Run ``steps`` (default ``train_cfg.local_steps``) AdamW steps on the client's training split.
 
     The model stays in eval mode (no dropout; BatchNorm keeps its pretrained statistics),
-    so a round is a deterministic function of (global state, data, seed). With
-    ``proximal_mu > 0`` the FedProx term (mu/2)·||w − w_ref||² is added over the
-    ``reference`` tensors (the global values received this round).
+    so a round is a deterministic function of (global state, data, seed). ``hooks`` add a
+    method's terms to the loss and observe each step (:class:`TrainHooks`); with
+    ``proximal_mu > 0`` the FedProx term over the ``reference`` tensors (the global values
+    received this round) is the hook.
     """
     torch.set_num_threads(max(1, int(train_cfg.get("threads", 1))))
     params = trainable_parameters(model)
-    named = dict(model.named_parameters())
     if proximal_mu > 0:
-        if not reference:
-            raise TrainingError("FedProx needs the global reference tensors")
-        prox_pairs = [(named[k], v.to(named[k].device)) for k, v in reference.items()]
+        if hooks is not None:
+            raise TrainingError("pass either proximal_mu or hooks, not both")
+        hooks = Proximal(model, proximal_mu, reference)
     optimizer = torch.optim.AdamW(params, lr=float(train_cfg.lr), weight_decay=float(train_cfg.get("weight_decay", 0.0)))
     rng = np.random.default_rng(seed)
     losses = []
     start = time.perf_counter()
     model.eval()
+    steps = int(train_cfg.local_steps) if steps is None else int(steps)
     with grad_checkpointing(model, bool(train_cfg.get("grad_checkpointing", False))):
-        for batch in task.train_batches(int(train_cfg.local_steps), int(train_cfg.batch_size), rng):
+        for batch in task.train_batches(steps, int(train_cfg.batch_size), rng):
             with autocast(model):  # forward only; backward runs outside autocast, as PyTorch recommends
                 loss = task.loss(model, batch)
             if not torch.isfinite(loss):
                 raise TrainingError(f"the training loss became {loss.item()}; lower train.lr (now {train_cfg.lr})")
             losses.append(loss.item())
-            if proximal_mu > 0:
-                loss = loss + 0.5 * proximal_mu * sum(((p - r) ** 2).sum() for p, r in prox_pairs)
+            if hooks is not None:
+                if hooks.data_weight != 1.0:
+                    loss = hooks.data_weight * loss
+                loss = loss + hooks.penalty()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if hooks is not None:
+                hooks.after_backward()
             clip = float(train_cfg.get("max_grad_norm", 0.0) or 0.0)
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
+            if hooks is not None:
+                hooks.after_step()
     optimizer.zero_grad(set_to_none=True)
-    return {
+    metrics = {
         "loss": float(np.mean(losses)),
         "first-loss": float(losses[0]),
         "last-loss": float(losses[-1]),
         "seconds": time.perf_counter() - start,
         "num-examples": int(task.num_train),
     }
+    if hooks is not None:
+        metrics.update(hooks.metrics())
+    return metrics
 
 
 def evaluate(model, task, eval_cfg) -> dict[str, float | int]:

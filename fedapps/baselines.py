@@ -120,3 +120,25 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         return {"final_state": str(target)}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **strategy_kwargs) -> ServerPlan:
+    """The server of a LoRA pair whose strategy is a FedAvgLoRA subclass with its own client method
+    (FedALA, FedSSI): the initial adapter, the strategy, and the global adapter saved at the end."""
+    if cfg.algorithm.trainable != "lora" or cfg.algorithm.lora.get("send", "all") != "all":
+        raise ValueError(f"{cfg.algorithm.name} federates whole LoRA adapters: trainable=lora, lora.send=all")
+    model, _, _ = prepare(cfg)
+    strategy = strategy_cls(
+        initial_state={k: v.numpy() for k, v in all_lora_state(model).items()},
+        **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
+        uplink_format=str(cfg.algorithm.payload),
+        **strategy_kwargs,
+    )
+
+    def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
+        load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
+        target = run_dir / "adapter"  # the global adapter; personalised ones stay on the clients
+        model.save_pretrained(str(target))
+        return {"final_state": str(target)}
+
+    return ServerPlan(strategy=strategy, save_final=save_final)

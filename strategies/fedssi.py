@@ -1,7 +1,7 @@
 """FedSSI's server: FedAvg over LoRA adapters, with the SI regularisation set per round.
 
 FedSSI (Li et al., ICML 2025) regularises local training with synaptic intelligence
-computed on a personalised surrogate model (``fedapps.fedssi``). As FedProx does with its
+computed on a personalised surrogate model (``clients.fedssi``). As FedProx does with its
 mu, the server sends the regularisation strength ``ssi-c`` and the surrogate's balance
 ``ssi-lambda`` with every training round, so a schedule can change them between rounds.
 """

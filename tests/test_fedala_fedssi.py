@@ -9,6 +9,8 @@ from omegaconf import OmegaConf
 
 from clients.adapters import federated_state, load_federated_state
 from clients.tasks import make_task
+from clients import fedala as ala_method
+from clients import fedssi as ssi_method
 from fedapps import fedala, fedssi
 from fedapps.baselines import prepare
 from fedapps.config import compose, to_yaml
@@ -25,7 +27,7 @@ def lora_setup():
     cfg = compose(["train.local_steps=3", "algorithm.eval_local=false"], preset="test", algorithm="fedala")
     model, tokenizer, extra = prepare(cfg)
     task = make_task(cfg, 0, 2, tokenizer)
-    names = fedala.model_order(model, extra["names"])
+    names = ala_method.model_order(model, extra["names"])
     return cfg, model, task, names
 
 
@@ -51,7 +53,7 @@ def test_ala_takes_global_lower_layers_and_mixes_the_top_elementwise(lora_setup)
     base = federated_state(model, names)
     global_state, local_state = perturbed(base, 0.05, 1), perturbed(base, 0.05, 2)
     ala = OmegaConf.merge(cfg.algorithm.ala, {"layer_idx": 4, "eta": 50.0, "max_batches": 2})
-    result = fedala.adaptive_local_aggregation(
+    result = ala_method.adaptive_local_aggregation(
         model, task, names, global_state, local_state, None, ala, batch_size=4,
         rng=np.random.default_rng(0), start_phase=False,
     )
@@ -78,14 +80,14 @@ def test_ala_start_phase_stops_at_threshold_or_cap(lora_setup):
     g, l = perturbed(base, 0.05, 3), perturbed(base, 0.05, 4)
     kwargs = dict(batch_size=4, rng=np.random.default_rng(1), start_phase=True)
     loose = OmegaConf.merge(cfg.algorithm.ala, {"threshold": 1e9, "num_pre_loss": 2, "max_batches": 1})
-    result = fedala.adaptive_local_aggregation(model, task, names, g, l, None, loose, **kwargs)
+    result = ala_method.adaptive_local_aggregation(model, task, names, g, l, None, loose, **kwargs)
     assert result.converged and len(result.losses) == 3  # more than num_pre_loss passes, then the std test
     capped = OmegaConf.merge(cfg.algorithm.ala, {"threshold": 0.0, "max_start_epochs": 2, "max_batches": 1})
-    result = fedala.adaptive_local_aggregation(model, task, names, g, l, None, capped, **kwargs)
+    result = ala_method.adaptive_local_aggregation(model, task, names, g, l, None, capped, **kwargs)
     assert not result.converged and len(result.losses) == 2
-    with pytest.raises(fedala.ALAError, match="layer_idx"):
+    with pytest.raises(ala_method.ALAError, match="layer_idx"):
         bad = OmegaConf.merge(cfg.algorithm.ala, {"layer_idx": 0})
-        fedala.adaptive_local_aggregation(model, task, names, g, l, None, bad, **kwargs)
+        ala_method.adaptive_local_aggregation(model, task, names, g, l, None, bad, **kwargs)
 
 
 def test_fedala_client_keeps_its_adapter_and_runs_ala_once_per_global(lora_setup):
@@ -119,7 +121,7 @@ def test_fedala_client_keeps_its_adapter_and_runs_ala_once_per_global(lora_setup
 def test_si_importance_is_the_damped_path_integral():
     path = {"w": torch.tensor([0.2, -0.1, 0.0])}
     end, start = {"w": torch.tensor([1.0, 1.0, 2.0])}, {"w": torch.tensor([0.0, 0.5, 2.0])}
-    omega = fedssi.si_importance(path, end, start, xi=0.1)["w"]
+    omega = ssi_method.si_importance(path, end, start, xi=0.1)["w"]
     assert torch.allclose(omega, torch.tensor([0.2 / 1.1, 0.0, 0.0]))
 
 
@@ -127,12 +129,12 @@ def test_surrogate_accumulates_a_path_and_returns_the_model_to_the_global(lora_s
     cfg, model, task, names = lora_setup
     reference = perturbed(federated_state(model, names), 0.01, 5)
     load_federated_state(model, reference)
-    path, end, loss = fedssi.surrogate_path(model, task, names, reference, cfg.train, steps=3, lam=0.5, seed=0)
+    path, end, loss = ssi_method.surrogate_path(model, task, names, reference, cfg.train, steps=3, lam=0.5, seed=0)
     assert np.isfinite(loss)
     assert any(not torch.equal(end[n], reference[n]) for n in names)  # the PSM moved
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n].detach(), reference[n]) for n in names)  # and was discarded
-    omega = fedssi.si_importance(path, end, reference, xi=1e-3)
+    omega = ssi_method.si_importance(path, end, reference, xi=1e-3)
     total = sum(v.sum() for v in omega.values())
     assert total > 0 and all((v >= 0).all() for v in omega.values())
 
@@ -144,7 +146,7 @@ def test_importance_penalty_holds_important_parameters_near_the_global(lora_setu
     def distance(c):
         load_federated_state(model, reference)
         omega = {n: torch.full_like(v, 100.0) for n, v in reference.items()}
-        metrics, path = fedssi.si_local_train(model, task, cfg.train, seed=0, names=names, reference=reference,
+        metrics, path = ssi_method.si_local_train(model, task, cfg.train, seed=0, names=names, reference=reference,
                                               omega=omega, c=c, track=True)
         assert metrics["num-examples"] == task.num_train and path is not None
         params = dict(model.named_parameters())
