@@ -187,7 +187,7 @@ def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tm
     process per node). Round 1: a SuperNode is killed while it trains; the round completes
     with the two others (strategy.min_clients=2) and the node is logged as missing. After
     round 1's checkpoint the SuperLink is killed with its ServerApp. Everything is restarted
-    and the same command (run_name + resume=auto) continues from round 2, not round 1."""
+    and the same run (run_name + resume=auto) continues from round 2, not round 1."""
     out = tmp_path / "runs"
     run = out / "faults"
     victim = NODES - 1
@@ -219,6 +219,10 @@ def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tm
     cluster.start_supernode(victim)
     wait_for(lambda: str(dead) in cluster.online_nodes(), 180, "the restarted SuperNode to come back online", poll=2)
     cluster.wait_online(NODES)
+    # the same run (run_name + resume=auto); a node may first skip the killed run's queued
+    # message before it polls the new one, so the stragglers are waited for longer this time
+    config = run_config("fedavg-lora", out, "rounds=2 run_name=faults resume=auto "
+                                            "strategy.min_clients=2 strategy.straggler_timeout=120")
     proc = cluster.run(config, timeout=600, log_file=cluster.folder / "logs" / "run-faults-2.log")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
