@@ -26,6 +26,8 @@ applies to them as to every method.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 import torch
 
@@ -43,7 +45,7 @@ def si_importance(omega_path: dict[str, torch.Tensor], end: dict[str, torch.Tens
     return {n: torch.relu(omega_path[n]) / ((end[n] - start[n]) ** 2 + xi) for n in omega_path}
 
 
-class _PathIntegral(TrainHooks):
+class _PathIntegral(TrainHooks, ABC):
     """SI's path integral ``ω −= g_data · Δθ`` over the tensors ``names`` (when ``track``)."""
 
     def __init__(self, model, names, reference, track: bool) -> None:
@@ -55,9 +57,9 @@ class _PathIntegral(TrainHooks):
         self._data_grad: dict[str, torch.Tensor] = {}
         self._before: dict[str, torch.Tensor] = {}
 
+    @abstractmethod
     def data_gradient(self, name: str) -> torch.Tensor:
         """The gradient of the data term alone, recovered from the whole objective's."""
-        raise NotImplementedError
 
     def after_backward(self) -> None:
         if self.track:

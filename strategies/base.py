@@ -220,7 +220,7 @@ class PayloadFedAvg(FedAvg):
         if len(arrays) != 1:
             raise PayloadError(f"unexpected ArrayRecords {sorted(k for k in arrays if k != self.arrayrecord_key)[:3]} "
                                f"(a reply carries one, '{self.arrayrecord_key}')")
-        return arrays[self.arrayrecord_key], check_metrics(content)[NUM_EXAMPLES]
+        return arrays[self.arrayrecord_key], example_count(content)
 
     def check_layout(self, record: ArrayRecord) -> None:
         """The declared keys, shapes and wire formats of a reply, checked before anything is decoded:
@@ -232,16 +232,9 @@ class PayloadFedAvg(FedAvg):
             raise PayloadError(f"wrong key set (unexpected {extra}, missing {missing})")
         for key, shape in expected.items():
             array = record[key]
-            declared, _ = codec.declared_shape(key, array)
+            declared = codec.check_declared(key, array, self.uplink_stypes[key])
             if declared != shape:
                 raise PayloadError(f"tensor '{key}' has shape {declared}, expected {shape}")
-            if array.dtype != "float32":
-                raise PayloadError(f"tensor '{key}' has dtype {array.dtype}, expected float32")
-            if array.stype not in codec.STYPES:
-                raise PayloadError(f"tensor '{key}' has an unknown array stype '{array.stype}'")
-            if array.stype not in self.uplink_stypes[key]:
-                raise PayloadError(f"tensor '{key}' is in wire format {array.stype!r}; this run's uplink "
-                                   f"('{self.uplink_format}') sends {sorted(self.uplink_stypes[key])}")
             if array.stype in (codec.FP32, codec.INT4) and len(array.data) != codec.expected_nbytes(shape, array.stype):
                 raise PayloadError(f"tensor '{key}' carries {len(array.data)} bytes, expected "
                                    f"{codec.expected_nbytes(shape, array.stype)} for shape {shape}")
@@ -254,11 +247,7 @@ class PayloadFedAvg(FedAvg):
         """Decode and check one training reply; raise PayloadError with the reason."""
         record, num_examples = self.reply_record(msg)
         self.check_layout(record)
-        tensors = codec.decode(record)
-        for key, shape in self.layout().items():
-            if tuple(tensors[key].shape) != shape:
-                raise PayloadError(f"tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}")
-        return tensors, num_examples
+        return codec.decode(record), num_examples
 
     # ------------------------------------------------------------------ bounded influence
     def client_update(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -513,19 +502,25 @@ def _finite_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
 
 
+def example_count(content: RecordDict) -> int:
+    """A reply's positive integer ``num-examples`` (its weight); PayloadError if absent or not one."""
+    metrics = content.metric_records.get("metrics")
+    if metrics is None or NUM_EXAMPLES not in metrics:
+        raise PayloadError(f"no MetricRecord 'metrics' with '{NUM_EXAMPLES}'")
+    value = metrics[NUM_EXAMPLES]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {value!r}")
+    return value
+
+
 def check_metrics(content: RecordDict) -> dict:
     """A reply's one MetricRecord ``metrics`` as a dict, checked: finite numbers (or short
     lists of them) and a positive integer ``num-examples``. PayloadError says what is wrong."""
-    records = content.metric_records
-    extra = sorted(k for k in records if k != "metrics")
+    extra = sorted(k for k in content.metric_records if k != "metrics")
     if extra:
         raise PayloadError(f"unexpected MetricRecords {extra[:3]} (a reply carries one, 'metrics')")
-    metrics = records.get("metrics")
-    if metrics is None or NUM_EXAMPLES not in metrics:
-        raise PayloadError(f"no MetricRecord 'metrics' with '{NUM_EXAMPLES}'")
-    num_examples = metrics[NUM_EXAMPLES]
-    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples <= 0:
-        raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {num_examples!r}")
+    example_count(content)
+    metrics = content.metric_records["metrics"]
     out = {}
     for key, value in metrics.items():
         if isinstance(value, list):

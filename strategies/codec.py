@@ -108,6 +108,19 @@ def declared_shape(name: str, array) -> tuple[tuple[int, ...], int]:
     return shape, numel
 
 
+def check_declared(name: str, array, stypes) -> tuple[int, ...]:
+    """An Array's declared shape, dtype and wire format, checked before anything is decoded:
+    float32 and one of ``stypes``. Returns the shape; PayloadError says what is wrong."""
+    shape, _ = declared_shape(name, array)
+    if array.dtype != "float32":
+        raise PayloadError(f"tensor '{name}' has dtype {array.dtype}, expected float32")
+    if array.stype not in STYPES:
+        raise PayloadError(f"tensor '{name}' has an unknown array stype '{array.stype}'")
+    if array.stype not in stypes:
+        raise PayloadError(f"tensor '{name}' is in wire format {array.stype!r}; this run sends {sorted(stypes)}")
+    return shape
+
+
 def _decode_topk(name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
     numel = _numel(shape)
     if len(data) % 8 or not 0 < len(data) // 8 <= numel:

@@ -37,6 +37,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
+from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+from flwr.serverapp.strategy.multikrum import select_multikrum
 
 AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum")
 
@@ -142,10 +145,6 @@ def clip_scales(norms: Sequence[float], settings: Robustness) -> list[float]:
 def aggregate(updates: list[dict[str, np.ndarray]], weights: Sequence[float], settings: Robustness) -> dict[str, np.ndarray]:
     """Combine clients' dense updates (same keys and shapes) with a robust rule (not ``mean``:
     the caller keeps its own exact mean). Returns float64 tensors."""
-    from flwr.app import Array, ArrayRecord, RecordDict
-    from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
-    from flwr.serverapp.strategy.multikrum import select_multikrum
-
     keys = sorted(updates[0])
     rule = settings.aggregator
     if rule == "median":

@@ -182,16 +182,10 @@ class SmartFedStrategy(PayloadFedAvg):
     def check_wire(self, record: ArrayRecord) -> None:
         """Declared shapes, dtypes and wire formats before decoding: ids and importance in fp32,
         values in this run's uplink format."""
-        values = codec.FORMATS.get(self.uplink_format)
+        values = {codec.FORMATS[self.uplink_format]}
         for key, array in record.items():
             _, field = sparse.split_key(key)
-            codec.declared_shape(key, array)
-            if array.dtype != "float32":
-                raise PayloadError(f"tensor '{key}' has dtype {array.dtype}, expected float32")
-            want = values if field in sparse.VALUE_FIELDS else codec.FP32
-            if array.stype != want:
-                raise PayloadError(f"tensor '{key}' is in wire format {array.stype!r}; this run sends "
-                                   f"{field} as {want!r}")
+            codec.check_declared(key, array, values if field in sparse.VALUE_FIELDS else {codec.FP32})
 
     # bounded influence over sparse deltas: the norm of what a client changes, and what it proposes
     def update_norm(self, payload: Mapping[str, sparse.MatrixPayload]) -> float:
