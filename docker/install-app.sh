@@ -32,5 +32,5 @@ if [ "${WITH_CIFAR10}" = "1" ]; then
 fi
 
 # one-time conversions (SmolLM2 GGUF -> fp32 HF checkpoint, CIFAR-10 PNGs -> arrays)
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 python -m clients.assets
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 python -m clients.prepare
 python -c "import fedapps.server_app, fedapps.client_app, flwr; print('postcard installed, flwr', flwr.__version__)"

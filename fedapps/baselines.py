@@ -1,15 +1,15 @@
-"""Baselines as one ServerApp/ClientApp pair: fedavg-lora, fedprox, ffa-lora, fedavg-full.
+"""The baseline methods: fedavg-lora, fedprox, ffa-lora, fedavg-full, topk-ef, powersgd.
 
-Clients train PEFT LoRA adapters (or every weight, for ``fedavg-full``) of the frozen
-backbone and send the federated tensors; the strategies live in ``strategies.baselines``.
+Clients train PEFT LoRA adapters (or every weight, for ``fedavg-full`` and its compressed
+variants) of the backbone and send the federated tensors; the strategies live in
+``strategies.baselines``. FedALA and FedSSI reuse the LoRA model (:func:`prepare`) and
+server (:func:`plan_lora_server`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 from safetensors.numpy import save_file
 
 from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
@@ -17,8 +17,8 @@ from clients.flite import orthogonal_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.algorithms import ServerPlan, strategy_settings
-from fedapps.session import client_config, reply, session, uplink_record
+from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings, uplink_kwargs
+from fedapps.session import uplink_record
 from strategies import codec
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
 
@@ -35,10 +35,6 @@ def prepare(cfg):
     return model, tokenizer, {"names": federated_names(model, cfg.algorithm)}
 
 
-def round_seed(cfg, server_round: int, partition_id: int) -> int:
-    return int(cfg.seed) * 1_000_003 + server_round * 1_009 + partition_id
-
-
 def _load(model, arrays) -> dict[str, torch.Tensor]:
     state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
     load_federated_state(model, state)
@@ -46,51 +42,31 @@ def _load(model, arrays) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- client
-clientapp = ClientApp()
-
-
-@clientapp.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    received = _load(s.model, msg.content["arrays"])
-    config = msg.content["config"]
-    mu = float(config.get("proximal-mu", 0.0))
-    seed = round_seed(cfg, int(config["server-round"]), s.partition_id)
+def train(call: ClientCall) -> Update:
+    cfg, s = call.cfg, call.session
+    received = _load(s.model, call.arrays)
+    mu = float(call.config.get("proximal-mu", 0.0))
     metrics = local_train(
         s.model, s.task, cfg.train,
-        seed=seed,
+        seed=call.seed,
         proximal_mu=mu, reference=received if mu > 0 else None,
     )
     if cfg.algorithm.get("eval_local", False):  # the aggregation drop: this model vs the federated one
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
-    metrics["partition-id"] = s.partition_id
     state = federated_state(s.model, s.extra["names"])
-    arrays = uplink_record(cfg, context, {k: v.numpy() for k, v in state.items()},
-                           {k: v.numpy() for k, v in received.items()}, seed)
-    return reply(msg, metrics, arrays)
+    arrays = uplink_record(cfg, call.context, {k: v.numpy() for k, v in state.items()},
+                           {k: v.numpy() for k, v in received.items()}, call.seed)
+    return Update(metrics, arrays)
 
 
-@clientapp.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    _load(s.model, msg.content["arrays"])
-    metrics = evaluate_model(s.model, s.task, cfg.eval)
-    metrics["partition-id"] = s.partition_id
-    return reply(msg, metrics)
+def evaluate(call: ClientCall) -> dict:
+    _load(call.session.model, call.arrays)
+    return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
 
 # ---------------------------------------------------------------------------- server
 STRATEGIES = {"fedavg-lora": FedAvgLoRA, "fedprox": FedProx, "ffa-lora": FFALoRA, "fedavg-full": FedAvgFull,
               "topk-ef": FedAvgFull, "powersgd": FedAvgFull}
-
-
-def uplink_kwargs(algorithm) -> dict:
-    """The strategy's uplink settings from ``algorithm.payload/uplink/compression``."""
-    comp = algorithm.get("compression") or {}
-    return dict(uplink_format=str(algorithm.payload), uplink=str(algorithm.get("uplink", "absolute")),
-                topk_fraction=comp.get("topk_fraction"), powersgd_rank=comp.get("powersgd_rank"))
 
 
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
@@ -142,3 +118,6 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
         return {"final_state": str(target)}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+METHODS = tuple(Method(name, prepare, train, evaluate, plan_server) for name in STRATEGIES)

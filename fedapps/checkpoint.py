@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from logging import INFO
 from pathlib import Path
 
 import numpy as np
+from flwr.common.logger import log
 from omegaconf import OmegaConf
 
-from fedapps.outputs import output_root
+from fedapps.outputs import RunDir, output_root
 
 CHECKPOINT = "checkpoint.npz"
 FORMAT = 1
@@ -105,6 +107,18 @@ def resume_folder(cfg) -> tuple[Path | None, bool]:
         raise ResumeError(f"resume={value}: {folder / CHECKPOINT} does not exist (give a run folder "
                           "written by a run of this version, or resume=auto with a run_name)")
     return folder, True
+
+
+def open_run_dir(cfg, resume_dir: Path | None, must_exist: bool) -> tuple[RunDir, Checkpoint | None]:
+    """The run's folder (new, or the one ``resume`` names, reopened) and the checkpoint to continue from."""
+    if resume_dir is None:
+        return RunDir(cfg), None
+    if must_exist or (resume_dir / CHECKPOINT).is_file():
+        checkpoint = load(resume_dir)
+        check_compatible(checkpoint, cfg)
+        return RunDir.reopen(cfg, resume_dir, checkpoint.meta.get("history", [])), checkpoint
+    log(INFO, "resume=auto: %s has no checkpoint yet; starting the run there", resume_dir)
+    return RunDir.reopen(cfg, resume_dir, []), None
 
 
 def check_compatible(checkpoint: Checkpoint, cfg) -> None:

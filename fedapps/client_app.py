@@ -1,4 +1,10 @@
-"""Postcard's registered ClientApp: hand each message to its algorithm's ClientApp."""
+"""Postcard's registered ClientApp: read the run's config, open the node's session, call the method.
+
+Every method answers through this one preamble (``fedapps.method``): the config the server
+sent, the session of this node (model built by the method's ``prepare``, task of its
+partition), then the method's ``train`` or ``evaluate``; the reply carries the metrics
+with this node's ``partition-id``.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +12,34 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.assets import force_offline
-from fedapps import algorithms
-from fedapps.session import client_config
+from fedapps import registry
+from fedapps.method import ClientCall
+from fedapps.session import client_config, reply, session
 
 force_offline()
 app = ClientApp()
 
 
-def _dispatch(msg: Message, context: Context) -> Message:
+def _call(msg: Message, context: Context):
     cfg = client_config(msg, context)
-    return algorithms.get(cfg.algorithm.name).clientapp(msg, context)
+    method = registry.get(cfg.algorithm.name)
+    return method, ClientCall(msg, context, cfg, session(cfg, context, method.prepare))
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    return _dispatch(msg, context)
+    method, call = _call(msg, context)
+    update = method.train(call)
+    update.metrics["partition-id"] = call.session.partition_id
+    out = reply(msg, update.metrics, update.arrays)
+    for name, record in update.records.items():
+        out.content[name] = record
+    return out
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    return _dispatch(msg, context)
+    method, call = _call(msg, context)
+    metrics = method.evaluate(call)
+    metrics["partition-id"] = call.session.partition_id
+    return reply(msg, metrics)

@@ -1,4 +1,4 @@
-"""FedALA as its own ServerApp/ClientApp pair (``algorithm=fedala``): Flower glue only.
+"""FedALA as a Postcard method (``algorithm=fedala``): Flower glue only.
 
 The method — Adaptive Local Aggregation of each new global LoRA adapter into the client's
 own (FedALA, Zhang et al., AAAI 2023) — is ``clients.fedala``. This module keeps each
@@ -15,16 +15,14 @@ import hashlib
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
-from flwr.clientapp import ClientApp
+from flwr.app import ArrayRecord, ConfigRecord, Context
 
 from clients.adapters import federated_state, load_federated_state
 from clients.fedala import adaptive_local_aggregation, model_order
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.algorithms import ServerPlan
-from fedapps.baselines import plan_lora_server, prepare, round_seed
-from fedapps.session import client_config, reply, session
+from fedapps.baselines import plan_lora_server, prepare
+from fedapps.method import ClientCall, Method, ServerPlan, Update, round_seed
 from strategies import codec
 from strategies.fedala import FedALA
 
@@ -84,37 +82,29 @@ def absorb_global(s, context: Context, arrays: ArrayRecord, server_round: int) -
             "ala-converged": int(result.converged)}
 
 
-clientapp = ClientApp()
-
-
-@clientapp.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    server_round = int(msg.content["config"]["server-round"])
-    ala_metrics = absorb_global(s, context, msg.content["arrays"], server_round)
-    metrics = local_train(s.model, s.task, cfg.train, seed=round_seed(cfg, server_round, s.partition_id))
+def train(call: ClientCall) -> Update:
+    cfg, s = call.cfg, call.session
+    ala_metrics = absorb_global(s, call.context, call.arrays, call.server_round)
+    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed)
     metrics.update(ala_metrics)
     if cfg.algorithm.get("eval_local", False):
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
     state = federated_state(s.model, s.extra["names"])
-    _store(context, LOCAL, state)
-    metrics["partition-id"] = s.partition_id
-    return reply(msg, metrics, codec.encode({k: v.numpy() for k, v in state.items()}, str(cfg.algorithm.payload)))
+    _store(call.context, LOCAL, state)
+    return Update(metrics, codec.encode({k: v.numpy() for k, v in state.items()}, str(cfg.algorithm.payload)))
 
 
-@clientapp.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    server_round = int(msg.content["config"].get("server-round", 0))
-    ala_metrics = absorb_global(s, context, msg.content["arrays"], server_round)
-    metrics = evaluate_model(s.model, s.task, cfg.eval)  # the personalised (ALA'd) adapter
+def evaluate(call: ClientCall) -> dict:
+    s = call.session
+    ala_metrics = absorb_global(s, call.context, call.arrays, call.server_round)
+    metrics = evaluate_model(s.model, s.task, call.cfg.eval)  # the personalised (ALA'd) adapter
     metrics.update(ala_metrics)
-    metrics["partition-id"] = s.partition_id
-    return reply(msg, metrics)
+    return metrics
 
 
 # ---------------------------------------------------------------------------- server
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return plan_lora_server(cfg, FedALA, on_round_end=on_round_end, config_yaml=config_yaml)
+
+
+METHOD = Method("fedala", prepare, train, evaluate, plan_server)

@@ -1,4 +1,4 @@
-"""FedNL as its own ServerApp/ClientApp pair (``algorithm=fednl``).
+"""FedNL as a Postcard method (``algorithm=fednl``).
 
 Federated nested learning (SPEC.md, "FedNL"): the three loops map onto Flower as
 
@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
+from flwr.app import Context
 from safetensors.numpy import load_file, save_file
 
 from clients.adapters import apply_lora, federated_state, load_federated_state
@@ -43,9 +42,7 @@ from clients.fednl import (
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.algorithms import ServerPlan, strategy_settings
-from fedapps.baselines import round_seed
-from fedapps.session import client_config, reply, session
+from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings
 from strategies import codec
 from strategies.fednl import FedNL, gate_alpha
 
@@ -158,37 +155,26 @@ def gate_metrics(model) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- client
-clientapp = ClientApp()
-
-
-@clientapp.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    load_theta(s.model, msg.content["arrays"])
-    restore_local(s, context)
-    server_round = int(msg.content["config"]["server-round"])
-    metrics = local_train(s.model, s.task, cfg.train, seed=round_seed(cfg, server_round, s.partition_id))
+def train(call: ClientCall) -> Update:
+    cfg, s = call.cfg, call.session
+    load_theta(s.model, call.arrays)
+    restore_local(s, call.context)
+    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed)
     metrics.update(gate_metrics(s.model))
     if cfg.algorithm.get("eval_local", False):
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
-    keep_local(s, context)
-    metrics["partition-id"] = s.partition_id
+    keep_local(s, call.context)
     theta = federated_state(s.model, s.extra["names"])
-    arrays = codec.encode({k: v.numpy() for k, v in theta.items()}, str(cfg.algorithm.payload))
-    return reply(msg, metrics, arrays)
+    return Update(metrics, codec.encode({k: v.numpy() for k, v in theta.items()}, str(cfg.algorithm.payload)))
 
 
-@clientapp.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    load_theta(s.model, msg.content["arrays"])
-    restore_local(s, context)
-    metrics = evaluate_model(s.model, s.task, cfg.eval)
+def evaluate(call: ClientCall) -> dict:
+    s = call.session
+    load_theta(s.model, call.arrays)
+    restore_local(s, call.context)
+    metrics = evaluate_model(s.model, s.task, call.cfg.eval)
     metrics.update(gate_metrics(s.model))
-    metrics["partition-id"] = s.partition_id
-    return reply(msg, metrics)
+    return metrics
 
 
 # ---------------------------------------------------------------------------- server
@@ -211,3 +197,6 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         return {"final_state": str(target), "payload_mode": mode, "final_gate_alpha": gate_alpha(global_state)}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+METHOD = Method("fednl", prepare, train, evaluate, plan_server)

@@ -1,4 +1,4 @@
-"""FLITE as a ServerApp/ClientApp pair: clients train and send only the latent vector z.
+"""FLITE as a Postcard method: clients train and send only the latent vector z.
 
 Clients regenerate FLITE's factors from the shared seed (``clients.flite``), load the
 global z, train z alone, and reply with z (int4 or fp32) and the fingerprint of their
@@ -8,17 +8,15 @@ parametrisation; ``strategies.flite.FliteStrategy`` refuses mismatches and avera
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message
-from flwr.clientapp import ClientApp
+from flwr.app import ConfigRecord, Message
 from omegaconf import OmegaConf
 
 from clients.flite import FliteConfig, apply_flite, fingerprint, get_latents, num_latents, orthogonal_head_, set_latents
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps.algorithms import ServerPlan, strategy_settings
-from fedapps.baselines import round_seed, uplink_kwargs
-from fedapps.session import ClientSetupError, client_config, reply, session, uplink_record
+from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings, uplink_kwargs
+from fedapps.session import ClientSetupError, uplink_record
 from strategies import codec
 from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
 
@@ -49,31 +47,18 @@ def _load(s, msg: Message) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- client
-clientapp = ClientApp()
+def train(call: ClientCall) -> Update:
+    s = call.session
+    received = _load(s, call.msg)
+    metrics = local_train(s.model, s.task, call.cfg.train, seed=call.seed)
+    arrays = uplink_record(call.cfg, call.context, {LATENT_KEY: get_latents(s.model)}, {LATENT_KEY: received},
+                           call.seed)
+    return Update(metrics, arrays, {FINGERPRINT_RECORD: ConfigRecord({"fingerprint": s.extra["fingerprint"]})})
 
 
-@clientapp.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    received = _load(s, msg)
-    seed = round_seed(cfg, int(msg.content["config"]["server-round"]), s.partition_id)
-    metrics = local_train(s.model, s.task, cfg.train, seed=seed)
-    metrics["partition-id"] = s.partition_id
-    arrays = uplink_record(cfg, context, {LATENT_KEY: get_latents(s.model)}, {LATENT_KEY: received}, seed)
-    out = reply(msg, metrics, arrays)
-    out.content[FINGERPRINT_RECORD] = ConfigRecord({"fingerprint": s.extra["fingerprint"]})
-    return out
-
-
-@clientapp.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    _load(s, msg)
-    metrics = evaluate_model(s.model, s.task, cfg.eval)
-    metrics["partition-id"] = s.partition_id
-    return reply(msg, metrics)
+def evaluate(call: ClientCall) -> dict:
+    _load(call.session, call.msg)
+    return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
 
 # ---------------------------------------------------------------------------- server
@@ -99,3 +84,6 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         return {"final_state": str(target), "latents": extra["latents"], "fingerprint": extra["fingerprint"]}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
+
+
+METHOD = Method("flite", prepare, train, evaluate, plan_server)

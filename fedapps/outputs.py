@@ -27,21 +27,42 @@ def output_root(cfg) -> Path:
 
 
 class RunDir:
-    def __init__(self, cfg) -> None:
-        name = cfg.get("run_name") or (
-            f"{dt.datetime.now():%Y%m%d-%H%M%S}_{cfg.algorithm.name}_{cfg.task.name}_{cfg.model.name}"
-        )
-        path = output_root(cfg) / str(name)
-        suffix = 1
-        while path.exists():
-            suffix += 1
-            path = output_root(cfg) / f"{name}-{suffix}"
-        path.mkdir(parents=True)
+    """A run's folder: ``config.yaml``, ``metrics.jsonl`` (a line per round), ``summary.json``, plots.
+
+    ``RunDir(cfg)`` makes a new folder under the output root; :meth:`reopen` continues an
+    existing one (a resumed run, ``fedapps.checkpoint.open_run_dir``).
+    """
+
+    def __init__(self, cfg, path: Path | None = None) -> None:
+        if path is None:
+            name = cfg.get("run_name") or (
+                f"{dt.datetime.now():%Y%m%d-%H%M%S}_{cfg.algorithm.name}_{cfg.task.name}_{cfg.model.name}"
+            )
+            path = output_root(cfg) / str(name)
+            suffix = 1
+            while path.exists():
+                suffix += 1
+                path = output_root(cfg) / f"{name}-{suffix}"
+            path.mkdir(parents=True)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.cfg = cfg
         self.metric = str(cfg.task.metric)
         (path / "config.yaml").write_text(to_yaml(cfg))
         self._header_printed = False
+
+    @classmethod
+    def reopen(cls, cfg, path: Path, history: list[dict]) -> RunDir:
+        """An existing run folder, continued: its metrics.jsonl rewritten from ``history`` (rounds
+        after the last checkpoint, from a crash between metrics.jsonl and the checkpoint, are
+        dropped) and its summary removed until the run finishes again."""
+        out = cls(cfg, path)
+        tmp = path / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(record) + "\n" for record in history))
+        tmp.replace(path / "metrics.jsonl")
+        (path / "summary.json").unlink(missing_ok=True)
+        return out
 
     # ------------------------------------------------------------------ per round
     def write_round(self, record: dict) -> None:

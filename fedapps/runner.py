@@ -19,10 +19,8 @@ The round loop is explicit (rather than Flower's ``Strategy.start``) for two rea
 
 from __future__ import annotations
 
-import json
 import time
 from logging import INFO, WARNING
-from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.constant import ErrorCode
@@ -30,10 +28,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import OmegaConf
 
-from fedapps import algorithms
 from fedapps import checkpoint as ckpt
+from fedapps import registry
 from fedapps.config import to_yaml
-from fedapps.outputs import RunDir
 
 # errors Flower itself puts in place of a reply that will never come
 _UNAVAILABLE = {ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE}
@@ -129,23 +126,6 @@ def collect_replies(
     return replies, missing
 
 
-class _ContinuedRunDir(RunDir):
-    """An existing run folder, reopened to continue (its metrics.jsonl rewritten from ``history``)."""
-
-    def __init__(self, cfg, path: Path, history: list[dict]) -> None:  # RunDir.__init__ would make a new folder
-        path.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.cfg = cfg
-        self.metric = str(cfg.task.metric)
-        self._header_printed = False
-        (path / "config.yaml").write_text(to_yaml(cfg))
-        # rounds after the checkpoint (a crash between metrics.jsonl and the checkpoint) are dropped
-        tmp = path / ".metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(record) + "\n" for record in history))
-        tmp.replace(path / "metrics.jsonl")
-        (path / "summary.json").unlink(missing_ok=True)
-
-
 class _Rounds:
     """Sends one phase of a round, records the nodes that did not answer."""
 
@@ -182,7 +162,7 @@ class _Rounds:
 
 
 def run_server(grid: Grid, cfg) -> dict:
-    pair = algorithms.get(cfg.algorithm.name)
+    method = registry.get(cfg.algorithm.name)
     resume_dir, must_exist = ckpt.resume_folder(cfg)  # a bad resume request fails before any waiting
     wanted = int(cfg.num_clients) if cfg.num_clients else None
     count = wait_for_nodes(grid, wanted, float(cfg.strategy.node_wait))
@@ -190,19 +170,10 @@ def run_server(grid: Grid, cfg) -> dict:
     cfg.num_clients = wanted or count  # resolved before the config is written and sent
     OmegaConf.set_struct(cfg, True)
 
-    checkpoint = None
-    if resume_dir is not None and (must_exist or (resume_dir / ckpt.CHECKPOINT).is_file()):
-        checkpoint = ckpt.load(resume_dir)
-        ckpt.check_compatible(checkpoint, cfg)
-        out = _ContinuedRunDir(cfg, resume_dir, checkpoint.meta.get("history", []))
-    elif resume_dir is not None:
-        log(INFO, "resume=auto: %s has no checkpoint yet; starting the run there", resume_dir)
-        out = _ContinuedRunDir(cfg, resume_dir, [])
-    else:
-        out = RunDir(cfg)
+    out, checkpoint = ckpt.open_run_dir(cfg, resume_dir, must_exist)
     log(INFO, "Postcard: %s on %s with %s, %d clients, %d rounds -> %s",
         cfg.algorithm.name, cfg.task.name, cfg.model.name, cfg.num_clients, cfg.rounds, out.path)
-    plan = pair.plan_server(cfg, on_round_end=out.write_round, config_yaml=to_yaml(cfg))
+    plan = method.plan_server(cfg, on_round_end=out.write_round, config_yaml=to_yaml(cfg))
     strategy = plan.strategy
     log(INFO, "federated tensors: %d (%s values); uplink format %s",
         len(strategy.uplink_keys), f"{sum(strategy.global_state[k].size for k in strategy.uplink_keys):,}",

@@ -1,15 +1,15 @@
-"""SmartFed as one ServerApp/ClientApp pair (``algorithm=smartfed``).
+"""SmartFed as a Postcard method (``algorithm=smartfed``).
 
 **Server.** :func:`plan_server` opens the LoRA knowledge pool (``algorithm.pool``, default
 ``$POSTCARD_CACHE/pool/<model name>``, filled by ``postcard pool build``), checks that it
 was built for this run's backbone, splits the chosen adapters into rank-1 experts
 (``clients.smartfed.pool``), and builds :class:`strategies.smartfed.SmartFedStrategy`
-with the global :class:`~strategies.sparse.ExpertState` and an
+with the global :class:`~strategies.ExpertState` and an
 :class:`~strategies.eeqa.EEQA` allocator for the global budget of active experts.
 
 **Client.** Each message carries the round's mixture: the active experts only (packed
 ids, router rows, A rows, B columns). The client rebuilds its MoRE layers from it on the
-frozen backbone (:func:`load_mixture`): it never holds the whole pool, so the trainable
+frozen backbone (:func:`clients.smartfed.more.load_mixture`): it never holds the whole pool, so the trainable
 state — and its gradients and AdamW moments — grows with the budget, not with the pool.
 It trains the mixture (experts + routers, or routers only), then replies with the deltas
 of the experts that changed, the router deltas and the importance of every active expert
@@ -29,31 +29,28 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import torch
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 from safetensors.numpy import load_file, save_file
 
 from clients.models import build_model
+from clients.models.llm import causal_lm_config
 from clients.smartfed.more import (
     ExpertSet,
+    MixtureError,
     MoREConfig,
     active_state,
-    apply_more,
     importance_state,
-    more_modules,
-    remove_more,
+    load_mixture,
+    to_layout_ids,
 )
-from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_fingerprint
+from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_descriptor, backbone_fingerprint, default_pool_dir
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps.algorithms import ServerPlan, strategy_settings
-from fedapps.baselines import round_seed
-from fedapps.pool_cli import backbone_descriptor, default_pool_dir
-from fedapps.session import ClientSetupError, client_config, reply, session
+from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings
+from fedapps.session import ClientSetupError
 from strategies import codec, sparse
 from strategies.eeqa import EEQA
+from strategies.expert_state import ExpertState
 from strategies.smartfed import BACKBONE_KEY, SmartFedStrategy
 
 
@@ -75,107 +72,49 @@ def more_config(cfg) -> MoREConfig:
 
 
 def prepare(cfg):
-    """The frozen backbone; MoRE layers come with each message (:func:`load_mixture`)."""
+    """The frozen backbone; MoRE layers come with each message (``load_mixture``)."""
     if cfg.model.kind != "causal_lm":
         raise SmartFedError(f"SmartFed mixes LoRA experts into a causal LM; model '{cfg.model.name}' is {cfg.model.kind}")
     model, tokenizer = build_model(cfg)
     return model, tokenizer, {"backbone_fingerprint": backbone_fingerprint(model)}
 
 
-def load_mixture(model, tensors: dict[str, np.ndarray], config: MoREConfig) -> dict[str, np.ndarray]:
-    """Rebuild the model's MoRE layers from a packed state of active experts (a downlink).
-
-    Every matrix of ``tensors`` gets a MoRE layer holding exactly the experts sent
-    (``ids``, ``router``, ``A``, ``B``); matrices not sent stay plain backbone layers.
-    Returns ``{matrix: the experts' layout indices}`` (layer expert ``j`` is layout expert
-    ``ids[j]``), to translate the reply back with :func:`to_layout_ids`.
-    """
-    remove_more(model)
-    experts, routers, ids = {}, {}, {}
-    for matrix, fields in sparse.group(tensors).items():
-        missing = [f for f in ("ids", "router", "A", "B") if f not in fields]
-        if missing:
-            raise ClientSetupError(f"the downlink of '{matrix}' lacks {missing}")
-        raw = np.asarray(fields["ids"], np.float64)
-        if raw.ndim != 1 or np.any(raw != np.round(raw)) or np.any(raw < 0) or np.unique(raw).size != raw.size:
-            raise ClientSetupError(f"the downlink of '{matrix}' has invalid expert ids")
-        ids[matrix] = raw.astype(np.int64)
-        experts[matrix] = ExpertSet(tuple(str(i) for i in ids[matrix]), fields["A"], np.asarray(fields["B"]).T)
-        routers[matrix] = np.asarray(fields["router"], np.float32)
-    if not experts:
-        raise ClientSetupError("the downlink holds no expert: the server's budget is 0?")
-    apply_more(model, experts, config)
-    with torch.no_grad():
-        for matrix, layer in more_modules(model).items():
-            router = torch.from_numpy(routers[matrix])
-            if tuple(router.shape) != tuple(layer.router.shape):
-                raise ClientSetupError(
-                    f"router of '{matrix}' has shape {tuple(router.shape)}, expected {tuple(layer.router.shape)}"
-                )
-            layer.router.copy_(router)
-    return ids
-
-
-def to_layout_ids(update: dict[str, np.ndarray], ids: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A packed update with layer-local expert indices -> the server's layout indices."""
-    out = {}
-    for key, value in update.items():
-        matrix, field = key.rsplit("/", 1)
-        if field == "ids":
-            value = ids[matrix][np.asarray(value, np.int64)]
-        elif field == "importance":
-            value = np.array(value, np.float32)
-            value[0] = ids[matrix][value[0].astype(np.int64)]
-        out[key] = value
-    return out
-
-
-def _receive(msg: Message, context: Context):
-    """Config, session, backbone check and the round's mixture loaded into the model."""
-    cfg = client_config(msg, context)
-    s = session(cfg, context, prepare)
-    config = msg.content["config"]
-    expected = config.get(BACKBONE_KEY)
+def _receive(call: ClientCall) -> dict[str, np.ndarray]:
+    """Backbone check, then the round's mixture loaded into the model; returns its layout ids."""
+    s = call.session
+    expected = call.config.get(BACKBONE_KEY)
     if expected is not None and str(expected) != s.extra["backbone_fingerprint"]:
         raise ClientSetupError(
-            f"this client's backbone ({cfg.model.name}, fingerprint {s.extra['backbone_fingerprint']}) is not the "
-            f"one the server's knowledge pool was built for ({expected})"
+            f"this client's backbone ({call.cfg.model.name}, fingerprint {s.extra['backbone_fingerprint']}) is not "
+            f"the one the server's knowledge pool was built for ({expected})"
         )
-    ids = load_mixture(s.model, codec.decode(msg.content["arrays"]), more_config(cfg))
-    return cfg, s, config, ids
+    try:
+        return load_mixture(s.model, codec.decode(call.arrays), more_config(call.cfg))
+    except MixtureError as err:
+        raise ClientSetupError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------- client
-clientapp = ClientApp()
-
-
-@clientapp.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg, s, config, ids = _receive(msg, context)
-    model = s.model
+def train(call: ClientCall) -> Update:
+    ids = _receive(call)
+    model = call.session.model
     before = active_state(model)
-    metrics = local_train(
-        model, s.task, cfg.train, seed=round_seed(cfg, int(config["server-round"]), s.partition_id)
-    )
+    metrics = local_train(model, call.session.task, call.cfg.train, seed=call.seed)
     update = sparse.delta(active_state(model), before) | importance_state(model)
     update = to_layout_ids(update, ids)
     metrics.update(
         {
-            "partition-id": s.partition_id,
             "active-experts": int(sum(len(v) for v in ids.values())),
             "uplink-experts": int(sum(v.size for k, v in update.items() if k.endswith("/ids"))),
             "trainable-values": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
         }
     )
-    return reply(msg, metrics, sparse.encode(update, str(cfg.algorithm.payload)))
+    return Update(metrics, sparse.encode(update, str(call.cfg.algorithm.payload)))
 
 
-@clientapp.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    cfg, s, _, _ = _receive(msg, context)
-    metrics = evaluate_model(s.model, s.task, cfg.eval)
-    metrics["partition-id"] = s.partition_id
-    return reply(msg, metrics)
+def evaluate(call: ClientCall) -> dict:
+    _receive(call)
+    return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
 
 # ---------------------------------------------------------------------------- server
@@ -251,15 +190,13 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
             "routed to, and their deltas would be sent"
         )
     config = more_config(cfg)  # validates top_k, mode, gate_mode early
-    model, _, extra = prepare(cfg)
-    fingerprint = extra["backbone_fingerprint"]
-    del model
+    fingerprint = backbone_fingerprint(causal_lm_config(cfg.model)[0])  # shapes only: no weights loaded
     pool, names, experts = open_pool(cfg, fingerprint)
     layout = sparse.ExpertLayout(
         {m: sparse.MatrixLayout(e.d_in, e.d_out, e.ids) for m, e in experts.items()},
         train_experts=config.train_experts,
     )
-    state = sparse.ExpertState.initial(
+    state = ExpertState.initial(
         layout, {m: (e.A, e.B) for m, e in experts.items()}, router_seed=int(cfg.seed), router_std=config.router_std
     )
     budget = budget_of(cfg, len(layout.matrices))
@@ -319,19 +256,19 @@ def load_run_mixture(model, run_dir, cfg) -> dict[str, np.ndarray]:
     """Put a finished run's final mixture (its saved experts and active sets) on ``model``."""
     folder = Path(run_dir) / "smartfed"
     layout = sparse.ExpertLayout.from_json((folder / "layout.json").read_text())
-    state = sparse.ExpertState.from_tensors(layout, load_file(str(folder / "experts.safetensors")))
+    state = ExpertState.from_tensors(layout, load_file(str(folder / "experts.safetensors")))
     active = json.loads((folder / "state.json").read_text())["active"]
     return load_mixture(model, state.gather(active), more_config(cfg))
 
 
+METHOD = Method("smartfed", prepare, train, evaluate, plan_server)
+
 __all__ = [
+    "METHOD",
     "SmartFedError",
-    "clientapp",
-    "load_mixture",
     "load_run_mixture",
     "more_config",
     "open_pool",
     "plan_server",
     "prepare",
-    "to_layout_ids",
 ]

@@ -129,6 +129,7 @@ class PayloadFedAvg(FedAvg):
         self.robustness = robustness if robustness is not None else Robustness()
         self.on_round_end = on_round_end
         self._sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
+        self._downlink: ArrayRecord | None = None  # downlink_arrays() of the current global state
         self.configured_nodes: set[int] = set()
         self.history: list[RoundRecord] = []
         self._round: RoundRecord = {}
@@ -138,8 +139,23 @@ class PayloadFedAvg(FedAvg):
         return {k: tuple(self.global_state[k].shape) for k in self.uplink_keys}
 
     def downlink_arrays(self) -> ArrayRecord:
-        """What every client receives: the federated keys of the global state."""
+        """What every client receives, encoded once per global state and reused until it changes
+        (the train messages, the evaluation after aggregation, the next round's train messages)."""
+        if self._downlink is None:
+            self._downlink = self.encode_downlink()
+        return self._downlink
+
+    def encode_downlink(self) -> ArrayRecord:
+        """The federated keys of the global state in the downlink format (a subclass sends its own)."""
         return codec.encode({k: self.global_state[k] for k in self.uplink_keys}, self.downlink_format)
+
+    def global_arrays(self) -> ArrayRecord:
+        """The whole global state as fp32 (what ``aggregate_train`` returns, as Flower's strategies
+        do): the downlink itself when that is the same record, so it is encoded once."""
+        if self.downlink_format == "fp32" and self.uplink_keys == sorted(self.global_state) \
+                and type(self).encode_downlink is PayloadFedAvg.encode_downlink:
+            return self.downlink_arrays()
+        return codec.encode(self.global_state, "fp32")
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
         """Per-node train config; subclasses add method-specific keys."""
@@ -180,6 +196,7 @@ class PayloadFedAvg(FedAvg):
             if got[key] != tuple(shape):
                 raise ValueError(f"checkpoint tensor '{key}' has shape {got[key]}, this run expects {tuple(shape)}")
         self.global_state = {k: np.asarray(arrays[k], dtype=np.float32).copy() for k in expected}
+        self._downlink = None
         self.history = list(meta.get("history", []))
         self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
         self._round = {}
@@ -335,6 +352,7 @@ class PayloadFedAvg(FedAvg):
         """Replace the global values of the aggregated keys (a subclass keeps its own state in step)."""
         for key, value in update.items():
             self.global_state[key] = value.astype(np.float32)
+        self._downlink = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._start_round(server_round)
@@ -377,7 +395,7 @@ class PayloadFedAvg(FedAvg):
             return None, None
         self.commit(update)
         self._round["accepted"] = len(payloads)
-        return codec.encode(self.global_state, "fp32"), aggregate_metrics(metrics, weights)
+        return self.global_arrays(), aggregate_metrics(metrics, weights)
 
     # ------------------------------------------------------------------ screening every reply
     def _screen(self, replies: Iterable[Message], phase: str) -> list[tuple[Message, dict]]:

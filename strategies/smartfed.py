@@ -1,6 +1,6 @@
 """SmartFed's server strategy: sparse FedAvg of routed rank-1 experts under EEQA quotas.
 
-The global model is an :class:`~strategies.sparse.ExpertState` — every expert of the
+The global model is an :class:`~strategies.ExpertState` — every expert of the
 knowledge pool (its A row, B column and router row) — and an EEQA allocation saying which
 experts are *active*. One round ``t`` (allocation ``alloc_t``):
 
@@ -16,7 +16,7 @@ experts are *active*. One round ``t`` (allocation ``alloc_t``):
    A/B in a router-only run, budget overrun); a bad reply is refused with its reason in
    the round record and the round goes on with the others.
 4. **Aggregation.** Each expert's delta is averaged over the clients that sent it,
-   weighted by their ``num-examples`` (:func:`strategies.sparse.aggregate`); experts
+   weighted by their ``num-examples`` (:func:`strategies.expert_state.aggregate`); experts
    nobody updated keep their values.
 5. **Re-allocation.** The aggregated importance (each client's report first rescaled to a
    common total, so that no client steers the allocation beyond its example share) feeds
@@ -47,8 +47,8 @@ from flwr.serverapp import Grid
 
 from strategies import codec, robust, sparse
 from strategies.base import PayloadFedAvg
-from strategies.codec import PayloadError
 from strategies.eeqa import EEQA, Allocation, select_active
+from strategies.expert_state import ExpertState, aggregate
 
 BACKBONE_KEY = "backbone-fingerprint"  # ConfigRecord key: the pool's backbone fingerprint
 LAYOUT_KEY = "layout-fingerprint"  # ConfigRecord key: the server's expert layout (for logs)
@@ -78,7 +78,7 @@ def normalise_importance(payloads: list[Mapping[str, sparse.MatrixPayload]]) -> 
     return out
 
 
-def prior_importance(state: sparse.ExpertState) -> dict[str, np.ndarray]:
+def prior_importance(state: ExpertState) -> dict[str, np.ndarray]:
     """Data-free importance of each pooled expert: ``‖A_i‖·‖B_i‖`` (its rank-1 term's norm)."""
     return {
         m: np.linalg.norm(state.A[m], axis=1).astype(np.float64) * np.linalg.norm(state.B[m], axis=1)
@@ -96,7 +96,7 @@ class SmartFedStrategy(PayloadFedAvg):
         **kwargs: :class:`PayloadFedAvg`'s (``config_yaml``, ``num_clients``, formats, ...).
     """
 
-    def __init__(self, *, state: sparse.ExpertState, eeqa: EEQA, backbone_fingerprint: str, **kwargs) -> None:
+    def __init__(self, *, state: ExpertState, eeqa: EEQA, backbone_fingerprint: str, **kwargs) -> None:
         layout = state.layout
         if sorted(eeqa.num_experts.items()) != sorted(layout.num_experts.items()):
             raise ValueError("EEQA was built for other matrices or expert counts than the expert layout")
@@ -145,7 +145,17 @@ class SmartFedStrategy(PayloadFedAvg):
         return {m: [int(i) for i in ids] for m, ids in self.allocation.active.items() if len(ids)}
 
     # ------------------------------------------------------------------ downlink
-    def downlink_arrays(self) -> ArrayRecord:
+    @property
+    def allocation(self) -> Allocation:
+        """Which experts are active (EEQA's quotas); the downlink follows it."""
+        return self._allocation
+
+    @allocation.setter
+    def allocation(self, value: Allocation) -> None:
+        self._allocation = value
+        self._downlink = None  # a new allocation sends other experts
+
+    def encode_downlink(self) -> ArrayRecord:
         """The active experts' values (router rows, A rows, B columns) of the current allocation."""
         return sparse.encode(self.state.gather(self.allocation.active), self.downlink_format)
 
@@ -208,7 +218,7 @@ class SmartFedStrategy(PayloadFedAvg):
         """Sparse example-weighted FedAvg of the deltas, importance normalised per client; applied
         to the expert state (and kept for EEQA) by :meth:`commit` once it is known to be finite."""
         payloads = normalise_importance(payloads)
-        new_state, importance = sparse.aggregate(self.state, [(p, float(w)) for p, w in zip(payloads, weights)])
+        new_state, importance = aggregate(self.state, [(p, float(w)) for p, w in zip(payloads, weights)])
         updated = 0
         for m in self.expert_layout:
             touched = np.zeros(self.expert_layout[m].num_experts, bool)
@@ -277,7 +287,7 @@ class SmartFedStrategy(PayloadFedAvg):
                 raise ValueError(f"the checkpoint's {key.replace('_', ' ')} {smartfed.get(key)!r} is not this run's "
                                  f"{ours!r} (another pool or backbone)")
         super().load_state_dict(arrays, meta)
-        self.state = sparse.ExpertState.from_tensors(self.expert_layout, self.global_state)
+        self.state = ExpertState.from_tensors(self.expert_layout, self.global_state)
         self.eeqa.load_state_dict(smartfed["eeqa"])
         active = {m: np.asarray(smartfed["active"].get(m, []), np.int64) for m in self.expert_layout}
         quotas = {m: int(q) for m, q in smartfed["quotas"].items()}

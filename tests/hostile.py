@@ -33,8 +33,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRec
 from strategies import codec, sparse
 from strategies.base import PayloadFedAvg
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
-from strategies.compress import UpdateCompressor, lowrank_applies, topk_count
+from strategies.compress import UpdateCompressor, topk_count
 from strategies.eeqa import EEQA
+from strategies.expert_state import ExpertState
 from strategies.fedala import FedALA
 from strategies.fednl import FedNL
 from strategies.fedssi import FedSSI
@@ -66,7 +67,7 @@ def _common(**kw) -> dict:
     return dict(config_yaml="run: hostile\n", num_clients=len(NODES), **kw)
 
 
-def _smartfed_state(mode: str) -> sparse.ExpertState:
+def _smartfed_state(mode: str) -> ExpertState:
     rng = np.random.default_rng(0)
     q, v = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"
     layout = sparse.ExpertLayout({q: sparse.MatrixLayout(6, 6, [f"a:{i}" for i in range(6)]),
@@ -74,7 +75,7 @@ def _smartfed_state(mode: str) -> sparse.ExpertState:
                                  train_experts=mode == "experts+router")
     experts = {m: (rng.standard_normal((ml.num_experts, ml.d_in)), rng.standard_normal((ml.d_out, ml.num_experts)))
                for m, ml in layout.matrices.items()}
-    return sparse.ExpertState.initial(layout, experts, router_seed=0, router_std=0.1)
+    return ExpertState.initial(layout, experts, router_seed=0, router_std=0.1)
 
 
 def _smartfed(mode: str, **kw) -> SmartFedStrategy:

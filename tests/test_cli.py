@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_sweep_writes_a_comparison_table(tmp_path):
     env = dict(os.environ, POSTCARD_OUTPUTS=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "fedapps.cli", "-m", "algorithm=fedavg-lora,ffa-lora", "preset=test",
+        [sys.executable, "-m", "postcard.cli", "-m", "algorithm=fedavg-lora,ffa-lora", "preset=test",
          "rounds=1", "train.local_steps=2"],
         env=env, capture_output=True, text=True, timeout=600,
     )
@@ -28,7 +28,7 @@ def test_sweep_writes_a_comparison_table(tmp_path):
 
 
 def test_cli_refuses_a_bad_choice_with_the_valid_ones(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fedapps.cli", "algorithm=fedsgd"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "postcard.cli", "algorithm=fedsgd"], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, POSTCARD_OUTPUTS=str(tmp_path)))
     assert proc.returncode != 0
     assert "fedavg-lora" in proc.stderr and "fedsgd" in proc.stderr

@@ -1,4 +1,4 @@
-"""`make demo`'s program (fedapps.demo): four methods through `flwr run`, one table and one plot."""
+"""`make demo`'s program (postcard.demo): four methods through `flwr run`, one table and one plot."""
 
 import csv
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps.superlink import stop as stop_superlinks
+from postcard.superlink import stop as stop_superlinks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ def test_demo_runs_all_four_methods_and_compares_them(tmp_path):
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "fedapps.demo", "--model", "tiny-llama", "--clients", "2",
+            [sys.executable, "-m", "postcard.demo", "--model", "tiny-llama", "--clients", "2",
              "--pool", str(tmp_path / "pool"), "--outputs", str(tmp_path / "out"), "--overrides", "train.seq_len=32",
              "--report", str(tmp_path / "report")],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,

@@ -1,6 +1,6 @@
 """Deployment over loopback: a real SuperLink and three SuperNodes, TLS and node authentication.
 
-One cluster (``fedapps.deploy.LoopbackCluster``) serves the whole module: certificates and
+One cluster (``postcard.deploy.LoopbackCluster``) serves the whole module: certificates and
 SuperNode keys are generated here, the keys registered with ``flwr supernode register``,
 and every present algorithm runs through ``flwr run . postcard-local`` with the tiny
 Llama. Then the faults: a SuperNode without a registered key is refused, a SuperNode
@@ -14,7 +14,6 @@ Run a part with ``-k``, e.g. ``pytest tests/test_deploy.py -k "fedavg-lora or de
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -23,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedapps import algorithms
+from fedapps import registry
 from fedapps import checkpoint as ckpt
-from fedapps.deploy import LoopbackCluster, free_port, kill_tree, make_node_keys
+from postcard.deploy import LoopbackCluster, free_port, kill_tree, make_node_keys
 from fedapps.outputs import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -43,9 +42,8 @@ DEFAULT_DEPLOYED = ("fedavg-lora", "flite", "fednl", "smartfed")
 
 
 def present_algorithms() -> list[str]:
-    """Registered algorithms whose module and conf/algorithm/<name>.yaml both exist."""
-    present = [name for name, module in sorted(algorithms.PAIRS.items())
-               if importlib.util.find_spec(module) is not None and (ROOT / "conf" / "algorithm" / f"{name}.yaml").is_file()]
+    """Registered methods whose conf/algorithm/<name>.yaml exists."""
+    present = [name for name in sorted(registry.METHODS) if (ROOT / "conf" / "algorithm" / f"{name}.yaml").is_file()]
     if os.environ.get("POSTCARD_DEPLOY_ALL") == "1":
         return present
     return [name for name in present if name in DEFAULT_DEPLOYED]
@@ -132,7 +130,8 @@ def smartfed_pool(tmp_path_factory) -> str:
     Llama (a LoRA with small seeded B factors, added with `postcard pool add`)."""
     import torch
 
-    from fedapps import baselines, pool_cli
+    from fedapps import baselines
+    from postcard import pool as pool_cli
     from fedapps.config import compose, to_yaml
 
     root = tmp_path_factory.mktemp("smartfed-pool")

@@ -1,4 +1,4 @@
-"""fedapps.deploy without a cluster: certificates that TLS accepts, keys Flower accepts, pids."""
+"""postcard.deploy without a cluster: certificates that TLS accepts, keys Flower accepts, pids."""
 
 import socket
 import ssl
@@ -11,7 +11,7 @@ import tomllib
 import psutil
 import pytest
 
-from fedapps import deploy
+from postcard import deploy
 
 
 def test_certificates_give_a_tls_handshake_for_every_host_and_only_those(tmp_path):

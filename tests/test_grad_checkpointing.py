@@ -57,8 +57,8 @@ def test_checkpointing_trains_the_same_values(algorithm):
 
 
 def test_checkpointing_keeps_smartfed_values_and_importance():
-    from clients.smartfed.more import MoREConfig, importance_state
-    from fedapps.smartfed import load_mixture, prepare
+    from clients.smartfed.more import MoREConfig, importance_state, load_mixture
+    from fedapps.smartfed import prepare
 
     cfg = compose(TINY, algorithm="smartfed", preset="test")
     model, tokenizer, _ = prepare(cfg)

@@ -85,7 +85,7 @@ output-dir = ""
 
 
 def test_flwr_run_with_one_hostile_supernode(tmp_path):
-    from fedapps.superlink import stop as stop_superlinks
+    from postcard.superlink import stop as stop_superlinks
 
     app = tmp_path / "app"
     app.mkdir()

@@ -14,14 +14,16 @@ from clients.smartfed.more import (
     MoRELinear,
     active_state,
     apply_more,
-    expert_layout,
     importance_state,
-    load_active_state,
+    MixtureError,
+    load_mixture,
+    to_layout_ids,
     more_modules,
     split_adapter,
 )
 from clients.smartfed.pool import backbone_fingerprint
 from strategies import sparse
+from strategies.expert_state import ExpertState, aggregate
 
 torch.set_num_threads(1)
 Q0 = "model.layers.0.self_attn.q_proj"
@@ -176,17 +178,17 @@ def test_active_state_round_trip_through_the_wire(backbone, pooled, tokens):
     layout = sparse.ExpertLayout(
         {m: sparse.MatrixLayout(e.d_in, e.d_out, e.ids) for m, e in experts.items()}, train_experts=True
     )
-    state = sparse.ExpertState.initial(layout, {m: (e.A, e.B) for m, e in experts.items()}, router_seed=0, router_std=0.3)
+    state = ExpertState.initial(layout, {m: (e.A, e.B) for m, e in experts.items()}, router_seed=0, router_std=0.3)
     active = {Q0: [0, 4], V1: [1, 2, 3], "model.layers.0.self_attn.v_proj": [5], "model.layers.1.self_attn.q_proj": [0]}
     downlink = sparse.encode(state.gather(active))
 
     # Reference: the full model from the pool with the same routers and active sets.
     reference = more_model(backbone, experts, top_k=2, router_std=0.3, active=active).eval()
-    # Client: only the layout; experts arrive with the downlink.
-    client = apply_more(copy.deepcopy(backbone), layout, MoREConfig(top_k=2))
-    assert expert_layout(client).fingerprint() == layout.fingerprint()
+    # Client: the plain backbone; its MoRE layers hold just the experts of the downlink.
+    client = copy.deepcopy(backbone)
+    ids = load_mixture(client, sparse.to_tensors(sparse.decode(downlink, layout, kind="state")), MoREConfig(top_k=2))
+    assert {m: v.tolist() for m, v in ids.items()} == active
     assert backbone_fingerprint(client) == backbone_fingerprint(backbone)  # MoRE keeps base names
-    load_active_state(client, sparse.to_tensors(sparse.decode(downlink, layout, kind="state")))
     client.eval()
     with torch.no_grad():
         torch.testing.assert_close(client(tokens).logits, reference(tokens).logits, atol=1e-6, rtol=0)
@@ -195,11 +197,11 @@ def test_active_state_round_trip_through_the_wire(backbone, pooled, tokens):
     optimizer = torch.optim.SGD([p for p in client.parameters() if p.requires_grad], lr=0.1)
     _backward(client, tokens)
     optimizer.step()
-    after = active_state(client)
-    update = sparse.delta(after, before) | importance_state(client)
+    after = to_layout_ids(active_state(client), ids)
+    update = to_layout_ids(sparse.delta(active_state(client), before) | importance_state(client), ids)
     record = sparse.encode(update)
     parts = sparse.decode(record, layout, active=active, budget=7)
-    new_state, importance = sparse.aggregate(state, [(parts, 12)])
+    new_state, importance = aggregate(state, [(parts, 12)])
 
     # One client: the server's experts now equal the client's.
     for key, value in after.items():
@@ -211,16 +213,23 @@ def test_active_state_round_trip_through_the_wire(backbone, pooled, tokens):
     assert np.isfinite(measured).all() and np.isnan(np.delete(importance[Q0], active[Q0])).all()
 
 
-def test_load_active_state_validates(backbone, pooled):
+def test_load_mixture_validates(backbone, pooled):
     model = more_model(backbone, pooled["experts"], top_k=2)
-    state = active_state(model)
-    with pytest.raises(ValueError, match="lacks MoRE layers"):
-        load_active_state(model, {k: v for k, v in state.items() if not k.startswith(Q0)})
-    with pytest.raises(ValueError, match="does not have"):
-        load_active_state(model, dict(state, **{"model.layers.0.mlp.up_proj/ids": np.array([0])}))
-    bad = dict(state, **{f"{Q0}/router": np.zeros((2, 32), np.float32)})
-    with pytest.raises(ValueError, match="shape"):
-        load_active_state(model, bad)
+    state = active_state(model, include_frozen=True)
+    client = copy.deepcopy(backbone)
+    with pytest.raises(MixtureError, match="lacks"):
+        load_mixture(client, {k: v for k, v in state.items() if k != f"{Q0}/A"}, MoREConfig(top_k=2))
+    with pytest.raises(MixtureError, match="does not fit"):
+        load_mixture(client, dict(state, **{"model.layers.0.mlp.nope/ids": np.array([0]),
+                                            "model.layers.0.mlp.nope/router": np.zeros((1, 32), np.float32),
+                                            "model.layers.0.mlp.nope/A": np.zeros((1, 32), np.float32),
+                                            "model.layers.0.mlp.nope/B": np.zeros((1, 32), np.float32)}),
+                     MoREConfig(top_k=2))
+    with pytest.raises(MixtureError, match="invalid expert ids"):
+        load_mixture(client, dict(state, **{f"{Q0}/ids": np.array([0.5] * state[f"{Q0}/ids"].size)}), MoREConfig(top_k=2))
+    bad = dict(state, **{f"{Q0}/router": np.zeros((state[f"{Q0}/ids"].size, 7), np.float32)})
+    with pytest.raises(MixtureError, match="shape"):
+        load_mixture(client, bad, MoREConfig(top_k=2))
     with pytest.raises(ValueError, match=r"in \[0, 6\)"):
         more_modules(model)[Q0].set_active([0, 6])
 

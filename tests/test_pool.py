@@ -9,7 +9,6 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from clients.smartfed import pool as pool_mod
 from clients.smartfed.pool import (
     ExpertSet,
     Pool,
@@ -156,9 +155,10 @@ def test_split_refuses_what_is_not_a_sum_of_rank1_terms():
 
 
 def test_cli_lists_the_pool(backbone, adapters, tmp_path, capsys):
-    Pool(tmp_path / "pool", backbone=backbone)
-    assert pool_mod.main(["add", str(tmp_path / "pool"), str(adapters["math"][0]), "--task", "t", "--source-run", "r"]) == 0
-    assert pool_mod.main(["list", str(tmp_path / "pool")]) == 0
+    from postcard import pool as pool_command  # `postcard pool`: the pool's one command line
+
+    Pool(tmp_path / "pool", backbone=backbone).add(adapters["math"][0], {"task": "t", "source_run": "r"})
+    assert pool_command.main(["list", "--pool", str(tmp_path / "pool"), "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1])["name"] == "math"
-    assert pool_mod.main(["list", str(tmp_path / "missing")]) == 2
+    assert pool_command.main(["list", "--pool", str(tmp_path / "missing")]) == 2

@@ -77,7 +77,7 @@ def test_bad_robust_settings_are_refused_at_compose_time(bad, message):
 
 
 def test_every_robust_choice_reaches_the_strategy_and_smartfed_refuses_robust_rules():
-    from fedapps.algorithms import strategy_settings
+    from fedapps.method import strategy_settings
 
     for choice in ("default", "median", "trimmed-mean", "krum", "multi-krum", "off"):
         cfg = compose(preset="test", robust=choice)

@@ -17,11 +17,12 @@ from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from clients.smartfed.more import MoREConfig, active_state, importance_state, more_modules
 from clients.smartfed.pool import Pool
-from fedapps import pool_cli
+from postcard import pool as pool_cli
 from fedapps.config import compose
 from fedapps.outputs import mean_train_loss, read_metrics
 from strategies import codec, sparse
 from strategies.eeqa import EEQA
+from strategies.expert_state import ExpertState
 from strategies.smartfed import BACKBONE_KEY, SmartFedStrategy, prior_importance
 
 torch.set_num_threads(1)
@@ -42,7 +43,7 @@ def synthetic_state(mode="experts+router"):
     }
     # make Q's experts 4 and 5 clearly the largest pooled updates
     experts[Q][1][:, 4:] *= 10
-    return sparse.ExpertState.initial(layout, experts, router_seed=0, router_std=0.1)
+    return ExpertState.initial(layout, experts, router_seed=0, router_std=0.1)
 
 
 def make_strategy(mode="experts+router", budget=4):
@@ -213,7 +214,7 @@ def tiny():
 
 
 def test_client_mixture_holds_only_the_downlink_experts_and_replies_in_layout_ids(tiny):
-    from fedapps.smartfed import load_mixture, to_layout_ids
+    from clients.smartfed.more import load_mixture, to_layout_ids
 
     cfg, model, _ = tiny
     model = copy.deepcopy(model)

@@ -7,7 +7,8 @@ from flwr.app import Array
 from strategies import codec
 from strategies import sparse
 from strategies.codec import PayloadError
-from strategies.sparse import ExpertLayout, ExpertState, MatrixLayout, MatrixPayload
+from strategies.expert_state import ExpertState, aggregate
+from strategies.sparse import ExpertLayout, MatrixLayout, MatrixPayload
 
 Q, V = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"
 
@@ -129,7 +130,7 @@ def test_aggregation_is_the_example_weighted_mean_over_updaters():
     state = _state(layout)
     c1 = sparse.decode(sparse.encode(_update(layout, {Q: [0, 1], V: [2]}, seed=10)), layout)
     c2 = sparse.decode(sparse.encode(_update(layout, {Q: [1, 3]}, seed=11)), layout)
-    new, importance = sparse.aggregate(state, [(c1, 10.0), (c2, 30.0)])
+    new, importance = aggregate(state, [(c1, 10.0), (c2, 30.0)])
 
     def row(part, i, field):
         return getattr(part, field)[part.ids.tolist().index(i)]
@@ -157,7 +158,7 @@ def test_aggregation_is_the_example_weighted_mean_over_updaters():
 def test_aggregation_refuses_bad_weights():
     layout = _layout()
     with pytest.raises(ValueError, match="num-examples"):
-        sparse.aggregate(_state(layout), [({}, -1.0)])
+        aggregate(_state(layout), [({}, -1.0)])
 
 
 def _raw_record(tensors):
@@ -203,7 +204,7 @@ def test_importance_report_may_cover_experts_without_deltas():
     update[f"{V}/importance"] = sparse.importance_report([2], [0.5])  # no expert of V changed
     parts = sparse.decode(sparse.encode(update), layout, active={Q: [0, 1, 4], V: [2]}, budget=1)
     assert parts[V].ids.size == 0 and parts[V].router is None
-    new, importance = sparse.aggregate(_state(layout), [(parts, 5)])
+    new, importance = aggregate(_state(layout), [(parts, 5)])
     np.testing.assert_array_equal(importance[Q], [0.0, 2.0, np.nan, np.nan, 0.0])
     np.testing.assert_array_equal(new.router[V], _state(layout).router[V])
     with pytest.raises(PayloadError, match="in importance are not in the client's active set"):

@@ -1,4 +1,4 @@
-"""Long-context diagnostics: streaming cross-entropy per 1K-token bin, carried-state bytes.
+"""Long-context diagnostics: streaming cross-entropy per 1K-token bin, peak memory.
 
 FedNL's streaming diagnostic (the paper's Fig. 5) feeds one long prompt through a model
 block by block and bins the next-token negative log-likelihood per 1K tokens; each bin
@@ -6,13 +6,9 @@ is reported relative to the first one (``mean_nll(bin) / mean_nll(bin 0)``): a m
 that keeps using what it has read gets *lower* relative CE further in (the paper: FedNL
 -2.1 %, FedAvg-LoRA +3.1 % at 16K).
 
-Two block-by-block streamers give the same interface (``step(ids) -> logits``,
-``state_bytes()``, ``position``) so one loop measures both:
-
-* :class:`~clients.fednl.attention.FedNLStreamer` (FedNL: delta memory + window cache,
-  constant state), and
-* :class:`KVCacheStreamer` (any HF causal LM with its growing KV cache: the backbone,
-  a LoRA model).
+The streamers and the stream's NLL are :mod:`clients.fednl.stream`
+(:class:`~clients.fednl.stream.FedNLStreamer`, :class:`~clients.fednl.stream.KVCacheStreamer`,
+:func:`~clients.fednl.stream.streamed_nll`).
 
 :class:`PeakMemory` measures the peak memory of a block of inference: on CUDA the
 allocator's peak; on CPU (Linux) the process's peak resident set above its level at the
@@ -27,95 +23,10 @@ import ctypes
 import gc
 import re
 import sys
-from collections.abc import Callable
 
 import torch
-from torch import nn
 
 Tensor = torch.Tensor
-
-
-class KVCacheStreamer:
-    """A plain HF causal LM over a long stream, block by block, with its KV cache.
-
-    The cache grows with every token (that is what it is measured against); the
-    logits of a block are exactly those of one full forward over the whole prefix.
-    """
-
-    def __init__(self, model: nn.Module, block: int = 256):
-        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-            raise ValueError(f"block must be a positive int, got {block!r}")
-        self.model = model
-        self.block = block
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache = None
-        self.position = 0
-
-    def state_bytes(self) -> int:
-        """Bytes of the KV cache (all layers)."""
-        if self.cache is None:
-            return 0
-        total = 0
-        for layer in getattr(self.cache, "layers", []):
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name, None)
-                if isinstance(tensor, Tensor):
-                    total += tensor.numel() * tensor.element_size()
-        return total
-
-    @torch.no_grad()
-    def step(self, input_ids: Tensor) -> Tensor:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, T), got {tuple(input_ids.shape)}")
-        batch, length = input_ids.shape
-        positions = torch.arange(self.position, self.position + length, device=input_ids.device)
-        if self.cache is None:
-            from transformers import DynamicCache
-
-            self.cache = DynamicCache()
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions.expand(batch, -1),
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self.cache = out.past_key_values
-        self.position += length
-        return out.logits
-
-    def blocks(self, input_ids: Tensor):
-        for start in range(0, input_ids.shape[1], self.block):
-            yield start, self.step(input_ids[:, start : start + self.block])
-
-
-def streamed_nll(
-    streamer,
-    input_ids: Tensor,
-    on_block: Callable[[int], None] | None = None,
-) -> Tensor:
-    """Next-token NLL ``(batch, T - 1)`` of a stream fed through ``streamer`` block by block.
-
-    ``streamer`` is a :class:`~clients.fednl.attention.FedNLStreamer` or a
-    :class:`KVCacheStreamer` (anything with ``blocks(ids)``); ``on_block(tokens_done)``
-    is called after each block (e.g. to sample memory use). Only one block's logits
-    are alive at a time.
-    """
-    length = input_ids.shape[1]
-    pieces = []
-    for start, logits in streamer.blocks(input_ids):
-        end = min(start + logits.shape[1], length - 1)  # the last token has no target
-        if end > start:
-            targets = input_ids[:, start + 1 : end + 1]
-            log_probs = torch.log_softmax(logits[:, : end - start].float(), dim=-1)
-            pieces.append(-log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
-        del logits
-        if on_block is not None:
-            on_block(start + min(streamer.block, length - start))
-    if not pieces:
-        return input_ids.new_zeros(input_ids.shape[0], 0, dtype=torch.float32)
-    return torch.cat(pieces, dim=1)
 
 
 def binned_nll(nll: Tensor, bin_size: int = 1024) -> list[float]:

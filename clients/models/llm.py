@@ -44,9 +44,9 @@ def _tokenizer(path: str):
     return tok
 
 
-def load_causal_lm(model_cfg, seed: int = 0):
-    """A new causal LM (frozen, eval mode, fp32 on CPU) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def causal_lm_config(model_cfg):
+    """``(HF config, tokenizer)`` of the model ``model_cfg`` names, without its weights."""
+    from transformers import AutoConfig, LlamaConfig
 
     assets.force_offline()
     random_init = model_cfg.get("random_init")
@@ -61,13 +61,26 @@ def load_causal_lm(model_cfg, seed: int = 0):
             tie_word_embeddings=True,
             **dict(random_init),
         )
+        return config, tok
+    path = checkpoint_path(model_cfg)
+    try:
+        return AutoConfig.from_pretrained(path), _tokenizer(path)
+    except OSError as err:
+        raise ModelError(f"cannot load a causal LM from '{path}': {err}") from None
+
+
+def load_causal_lm(model_cfg, seed: int = 0):
+    """A new causal LM (frozen, eval mode, fp32 on CPU) and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config, tok = causal_lm_config(model_cfg)
+    if model_cfg.get("random_init"):
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
         torch.random.set_rng_state(generator_state)
     else:
         path = checkpoint_path(model_cfg)
-        tok = _tokenizer(path)
         try:  # ~1 s from the converted safetensors checkpoint
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except OSError as err:

@@ -23,8 +23,6 @@ import torch.nn.functional as F
 
 from clients.assets import AssetMissing, mobilenet_v2_weights
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 FEATURE_DIM = 1280  # width of the pooled features that feed the classifier
 
 # One row per stage: expansion factor t, output channels c, repeats n, first stride s.

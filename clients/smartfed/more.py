@@ -37,13 +37,14 @@ mode measures nothing.
 
 State exchange uses the packed form of :mod:`strategies.sparse`
 (``<matrix>/ids``, ``/router``, ``/A``, ``/B``, ``/importance``): :func:`active_state`,
-:func:`load_active_state`, :func:`importance_state`. A client round::
+:func:`load_mixture`, :func:`importance_state`, :func:`to_layout_ids`. A client round
+(``fedapps.smartfed``) holds only the experts the server sent, never the whole pool::
 
-    load_active_state(model, sparse.to_tensors(sparse.decode(downlink, layout, kind="state")))
-    before = active_state(model)
+    ids = load_mixture(backbone, codec.decode(downlink), config)   # MoRE layers of the sent experts
+    before = active_state(backbone)
     ...local training (no weight decay on experts/routers)...
-    update = sparse.delta(active_state(model), before) | importance_state(model)
-    reply = sparse.encode(update)
+    update = sparse.delta(active_state(backbone), before) | importance_state(backbone)
+    reply = sparse.encode(to_layout_ids(update, ids))
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ __all__ = [
     "apply_more",
     "expert_layout",
     "importance_state",
-    "load_active_state",
+    "MixtureError",
+    "load_mixture",
     "more_modules",
     "remove_more",
     "split_adapter",
     "split_lora",
+    "to_layout_ids",
 ]
 
 GATE_MODES = ("softmax", "softmax-raw", "ones")
@@ -300,9 +303,8 @@ def apply_more(
     Args:
         model: a HF causal LM (module names as in ``model.named_modules()``).
         pool_experts: ``{module name: ExpertSet}`` (``Pool.load_experts``), or an
-            :class:`~strategies.sparse.ExpertLayout` for a client without the pool: experts
-            start at zero and :func:`load_active_state` fills the active ones from the
-            downlink.
+            :class:`~strategies.sparse.ExpertLayout` (experts start at zero). A client gets its
+            layers from the downlink with :func:`load_mixture` instead.
         config: :class:`MoREConfig` (default: top-2, experts+router, softmax gates).
 
     The whole backbone is frozen; only the experts (unless router-only) and routers train.
@@ -412,7 +414,7 @@ def importance_state(model: nn.Module) -> dict[str, np.ndarray]:
     Row 0: the active experts' indices, row 1: their importance (EMA of gate mass × output
     norm) — all active experts, including those no token was routed to (importance 0),
     which ``strategies.sparse.delta`` leaves out of the deltas. Layers not measured (no
-    training forward since the last :func:`load_active_state`) are left out.
+    training forward since the mixture was loaded) are left out.
     """
     out: dict[str, np.ndarray] = {}
     for name, layer in more_modules(model).items():
@@ -422,44 +424,57 @@ def importance_state(model: nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
-@torch.no_grad()
-def load_active_state(model: nn.Module, tensors: Mapping[str, np.ndarray], strict: bool = True) -> None:
-    """Set active sets and values from a packed state (e.g. the decoded downlink).
+class MixtureError(ValueError):
+    """A downlink that cannot be a mixture (missing fields, bad ids, wrong shapes); says which."""
 
-    For each matrix: the active set becomes ``m/ids``; ``m/router`` (and ``m/A``/``m/B``
-    when present) overwrite those experts' rows. Importance statistics are reset (one
-    round's EMA starts here). With ``strict`` every MoRE layer must be in ``tensors``.
+
+def load_mixture(model: nn.Module, tensors: Mapping[str, np.ndarray], config: MoREConfig) -> dict[str, np.ndarray]:
+    """Rebuild ``model``'s MoRE layers from a packed state of active experts (a downlink).
+
+    The one loader of a downlink: every matrix of ``tensors`` gets a MoRE layer holding
+    exactly the experts sent (``ids``, ``router``, ``A``, ``B``; their rows in that order);
+    matrices not sent stay plain backbone layers, layers of an earlier mixture are removed
+    first. Returns ``{matrix: the experts' layout indices}`` (layer expert ``j`` is layout
+    expert ``ids[j]``), to translate the reply back with :func:`to_layout_ids`.
     """
-    layers = more_modules(model)
-    groups = group(tensors)
-    unknown = set(groups) - set(layers)
-    if unknown:
-        raise ValueError(f"state for matrices the model does not have: {sorted(unknown)}")
-    if strict and set(layers) - set(groups):
-        raise ValueError(f"state lacks MoRE layers {sorted(set(layers) - set(groups))}")
-    for name, fields in groups.items():
-        layer = layers[name]
-        if "ids" not in fields:
-            raise ValueError(f"state of '{name}' lacks ids")
-        ids = np.asarray(fields["ids"])
-        if np.any(ids != np.round(ids)):
-            raise ValueError(f"'{name}/ids' holds non-integer ids")
-        k = ids.size
-        want = {"router": (k, layer.in_features), "A": (k, layer.in_features), "B": (k, layer.out_features)}
-        for field, shape in want.items():
-            if field in fields and tuple(np.shape(fields[field])) != shape:
-                raise ValueError(f"'{name}/{field}' has shape {tuple(np.shape(fields[field]))}, expected {shape}")
-        layer.set_active(ids.astype(np.int64))
-        idx = layer.active_idx  # sorted; reorder the rows to match
-        order = torch.as_tensor(np.argsort(ids.astype(np.int64), kind="stable"))
+    remove_more(model)
+    experts, routers, ids = {}, {}, {}
+    for matrix, fields in group(tensors).items():
+        missing = [f for f in ("ids", "router", "A", "B") if f not in fields]
+        if missing:
+            raise MixtureError(f"the downlink of '{matrix}' lacks {missing}")
+        raw = np.asarray(fields["ids"], np.float64)
+        if raw.ndim != 1 or np.any(raw != np.round(raw)) or np.any(raw < 0) or np.unique(raw).size != raw.size:
+            raise MixtureError(f"the downlink of '{matrix}' has invalid expert ids")
+        ids[matrix] = raw.astype(np.int64)
+        experts[matrix] = ExpertSet(tuple(str(i) for i in ids[matrix]), fields["A"], np.asarray(fields["B"]).T)
+        routers[matrix] = np.asarray(fields["router"], np.float32)
+    if not experts:
+        raise MixtureError("the downlink holds no expert: the server's budget is 0?")
+    try:
+        apply_more(model, experts, config)
+    except ValueError as err:  # a matrix the model lacks, A/B of the wrong width
+        raise MixtureError(f"the downlink does not fit this model: {err}") from None
+    with torch.no_grad():
+        for matrix, layer in more_modules(model).items():
+            router = torch.from_numpy(routers[matrix])
+            if tuple(router.shape) != tuple(layer.router.shape):
+                raise MixtureError(
+                    f"router of '{matrix}' has shape {tuple(router.shape)}, expected {tuple(layer.router.shape)}"
+                )
+            layer.router.copy_(router.to(layer.router.device))
+    return ids
 
-        def rows(field: str) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(fields[field], np.float32))[order].to(layer.router.device)
 
-        if "router" in fields:
-            layer.router[idx] = rows("router")
-        if "A" in fields:
-            layer.expert_A[idx] = rows("A")
-        if "B" in fields:
-            layer.expert_B[:, idx] = rows("B").t()
-        layer.reset_importance()
+def to_layout_ids(update: Mapping[str, np.ndarray], ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A packed update with layer-local expert indices -> the server's layout indices."""
+    out = {}
+    for key, value in update.items():
+        matrix, field = key.rsplit("/", 1)
+        if field == "ids":
+            value = ids[matrix][np.asarray(value, np.int64)]
+        elif field == "importance":
+            value = np.array(value, np.float32)
+            value[0] = ids[matrix][value[0].astype(np.int64)]
+        out[key] = value
+    return out

@@ -31,14 +31,12 @@ without a torch model.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import hashlib
 import json
 import math
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -482,42 +480,20 @@ class Pool:
         return {m: self.experts_for(m, names) for m in chosen}
 
 
-# ----------------------------------------------------------------------------------- CLI
+def default_pool_dir(model_name: str) -> Path:
+    """``$POSTCARD_CACHE/pool/<model name>``: where a model's pool lives by default."""
+    from clients.assets import cache_dir
+
+    return cache_dir() / "pool" / str(model_name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m clients.smartfed.pool {init,add,list} ...``"""
-    parser = argparse.ArgumentParser(prog="python -m clients.smartfed.pool", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_init = sub.add_parser("init", help="create an empty pool for a backbone")
-    p_init.add_argument("pool")
-    p_init.add_argument("--model", required=True, help="local HF checkpoint folder (its config.json is read)")
-    p_add = sub.add_parser("add", help="add a saved PEFT LoRA adapter (a finished run's output)")
-    p_add.add_argument("pool")
-    p_add.add_argument("adapter_dir")
-    p_add.add_argument("--task", required=True)
-    p_add.add_argument("--source-run", required=True, help="the run folder or id the adapter comes from")
-    p_add.add_argument("--name", default=None)
-    p_list = sub.add_parser("list", help="print every adapter's provenance as JSON lines")
-    p_list.add_argument("pool")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "init":
-            from transformers import AutoConfig
+def backbone_descriptor(cfg) -> dict:
+    """What names a backbone's *weights* (the fingerprint only covers shapes).
 
-            pool = Pool(args.pool, backbone=AutoConfig.from_pretrained(args.model, local_files_only=True))
-            print(f"pool {pool.path} for backbone {pool.fingerprint}")
-        elif args.command == "add":
-            name = Pool(args.pool).add(args.adapter_dir, {"task": args.task, "source_run": args.source_run}, args.name)
-            print(f"added '{name}' to {args.pool}")
-        else:
-            for record in Pool(args.pool).list():
-                print(json.dumps(record, sort_keys=True))
-    except (PoolError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    The model name and checkpoint path, and for random-init models the seed (a tiny Llama
+    of seed 1 and one of seed 42 have equal fingerprints but different weights).
+    """
+    out = {"model": str(cfg.model.name), "path": str(cfg.model.path) if cfg.model.get("path") else None}
+    if cfg.model.get("random_init"):
+        out["seed"] = int(cfg.seed)
+    return out

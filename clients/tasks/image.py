@@ -12,9 +12,6 @@ from clients.partition import partition_for, train_test_split
 from clients.tasks import vision
 from clients.tasks.base import Task
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
 
 @functools.lru_cache(maxsize=2)
 def _arrays(name: str):
@@ -37,13 +34,16 @@ class ImageTask(Task):
         self.images, self.labels = images, labels
         self.image_size = int(task.image_size)
         self.num_classes = len(self.class_names)
+        if int(task.num_classes) != self.num_classes:
+            raise ValueError(f"task.num_classes={task.num_classes} but {task.dataset} has {self.num_classes} classes")
         super().__init__(train, test)
 
     def label_histogram(self) -> list[int]:
         return np.bincount(self.labels[self.train_idx], minlength=self.num_classes).tolist()
 
     def collate(self, indices):
-        x = vision.to_tensor(self.images[indices], self.image_size, IMAGENET_MEAN, IMAGENET_STD, channels=3)
+        x = vision.to_tensor(self.images[indices], self.image_size, vision.IMAGENET_MEAN, vision.IMAGENET_STD,
+                             channels=3)
         return {"x": x, "y": torch.as_tensor(self.labels[indices], dtype=torch.long)}
 
     def loss(self, model, batch):

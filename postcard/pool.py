@@ -30,6 +30,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from clients.smartfed.pool import backbone_descriptor, default_pool_dir
+
 SPEC_DIR = Path(__file__).resolve().parent.parent / "conf" / "pool"
 LORA_ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora")
 
@@ -39,25 +41,6 @@ class PoolCommandError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- helpers
-def default_pool_dir(model_name: str) -> Path:
-    """``$POSTCARD_CACHE/pool/<model name>``: where a model's pool lives by default."""
-    from clients.assets import cache_dir
-
-    return cache_dir() / "pool" / str(model_name)
-
-
-def backbone_descriptor(cfg) -> dict:
-    """What names a backbone's *weights* (the fingerprint only covers shapes).
-
-    The model name and checkpoint path, and for random-init models the seed (a tiny Llama
-    of seed 1 and one of seed 42 have equal fingerprints but different weights).
-    """
-    out = {"model": str(cfg.model.name), "path": str(cfg.model.path) if cfg.model.get("path") else None}
-    if cfg.model.get("random_init"):
-        out["seed"] = int(cfg.seed)
-    return out
-
-
 def _plain(value):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 

@@ -1,6 +1,6 @@
 """Stop the local SuperLink that `flwr run` leaves running (and everything it started).
 
-``python -m fedapps.superlink [FLWR_HOME]`` stops the SuperLink whose state lives under
+``python -m postcard.superlink [FLWR_HOME]`` stops the SuperLink whose state lives under
 ``FLWR_HOME`` (default ``$FLWR_HOME`` or ``~/.flwr``), with its SuperExec and any
 simulation it still runs, by process id.
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from postcard.deploy import kill_tree
+
 
 def stop(flwr_home: str | Path) -> list[int]:
     """Kill every flower-superlink process started for ``flwr_home``, children first."""
@@ -22,17 +24,7 @@ def stop(flwr_home: str | Path) -> list[int]:
         cmdline = " ".join(proc.info["cmdline"] or [])
         if "flower-superlink" not in cmdline or home not in cmdline:
             continue
-        try:
-            family = proc.children(recursive=True) + [proc]
-        except psutil.NoSuchProcess:
-            continue
-        for member in family:
-            try:
-                member.kill()
-                killed.append(member.pid)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(family, timeout=10)
+        killed += kill_tree(proc.pid, timeout=10)
     return killed
 
 

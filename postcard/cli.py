@@ -59,7 +59,7 @@ def run(cfg: DictConfig) -> dict | None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "pool":  # SmartFed's knowledge pool
-        from fedapps.pool_cli import main as pool_main
+        from postcard.pool import main as pool_main
 
         raise SystemExit(pool_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):

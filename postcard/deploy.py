@@ -15,10 +15,10 @@ SuperNodes. This module holds what that needs besides Flower itself:
 
 Command line (``make deploy-local`` calls the last one)::
 
-    python -m fedapps.deploy certs DIR [--host superlink.example.org --host 10.0.0.5]
-    python -m fedapps.deploy node-keys DIR --nodes 3
-    python -m fedapps.deploy register KEY.pub... --superlink HOST:PORT --root-certificates ca.crt
-    python -m fedapps.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep]
+    python -m postcard.deploy certs DIR [--host superlink.example.org --host 10.0.0.5]
+    python -m postcard.deploy node-keys DIR --nodes 3
+    python -m postcard.deploy register KEY.pub... --superlink HOST:PORT --root-certificates ca.crt
+    python -m postcard.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ LOOPBACK = "127.0.0.1"
 
 # file names inside a certificate folder (the same names the docker/ files use)
 CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.pem", "server.key"
-# what `python -m fedapps.deploy local` runs by default: the tiny Llama, one client per node, 2 short rounds
+# what `python -m postcard.deploy local` runs by default: the tiny Llama, one client per node, 2 short rounds
 LOCAL_RUN_CONFIG = "preset='test' overrides='num_clients={nodes} rounds=2 train.local_steps=4'"
 
 
@@ -524,7 +524,7 @@ def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fedapps.deploy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m postcard.deploy", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     certs = sub.add_parser("certs", help="a CA and a SuperLink certificate (ca.crt, server.pem, server.key)")
     certs.add_argument("folder")

@@ -1,8 +1,8 @@
 """``make demo``: the whole mission in one command — four methods, one task, one table.
 
-    python -m fedapps.demo                      # SmolLM2-135M, Shakespeare, 4 clients (~15 min, 2 cores)
-    python -m fedapps.demo --methods fedavg-lora flite --overrides "rounds=1"
-    python -m fedapps.demo --model tiny-llama   # a random-init Llama: a wiring check in ~3 min
+    python -m postcard.demo                      # SmolLM2-135M, Shakespeare, 4 clients (~15 min, 2 cores)
+    python -m postcard.demo --methods fedavg-lora flite --overrides "rounds=1"
+    python -m postcard.demo --model tiny-llama   # a random-init Llama: a wiring check in ~3 min
 
 Runs, one after another, ``flwr run .`` of FedAvg-LoRA (the reference), FedNL, FLITE
 (int4 latents) and SmartFed on the same non-IID task: the embedded SmolLM2 learning
@@ -49,7 +49,7 @@ def say(message: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fedapps.demo", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m postcard.demo", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--model", default="smollm2", help="a conf/model choice (a causal LM); default smollm2")
@@ -83,7 +83,7 @@ def run_overrides(args, method: str) -> list[str]:
 
 def ensure_pool(args, demo_folder: Path) -> None:
     """Build the demo's pool sources for this model unless they are pooled already."""
-    from fedapps import pool_cli
+    from postcard import pool as pool_cli
 
     folder = args.pool.resolve() if args.pool else pool_cli.default_pool_dir(args.model)
     from clients.smartfed.pool import POOL_FILE, Pool
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     write_comparison(summaries, folder)
     print(f"\nplot: {folder / 'comparison.png'}\nrun folders: {folder}/<method>/", flush=True)
     if args.report:
-        command = " ".join(shlex.quote(a) for a in ["python", "-m", "fedapps.demo",
+        command = " ".join(shlex.quote(a) for a in ["python", "-m", "postcard.demo",
                                                     *(sys.argv[1:] if argv is None else argv)])
         print(f"report: {write_report(folder, args.report, command, minutes)}", flush=True)
     return 0

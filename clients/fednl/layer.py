@@ -28,14 +28,18 @@ and the weights sum to one. Choices, where the papers leave room:
 * ``window``: None keeps the backbone's own (full causal) attention for the softmax path.
   An int restricts it to the last ``window`` tokens (token i sees i-window+1 .. i); the
   memory carries everything older. That bounds the streaming KV cache, so
-  :class:`FedNLStreamer` runs any context length in constant memory.
+  :class:`~clients.fednl.stream.FedNLStreamer` runs any context length in constant memory.
 
 Training uses the chunked delta rule over the whole sequence (BPTT through the memory);
-:class:`FedNLStreamer` uses the recurrent form block by block with an O(1) state per
+:class:`~clients.fednl.stream.FedNLStreamer` uses the recurrent form block by block with an O(1) state per
 layer. ``model.generate`` also works (greedy or sampling; not beam search): the memory
 state rides on the HF cache object, whose KV cache then grows as usual.
 
-The new parameters are named ``...self_attn.fednl_gate`` and ``...self_attn.fednl_beta.*``.
+This module is the layer: :class:`BetaProjection` and the dual-path forward
+(:func:`dual_path_attention_forward`). :mod:`clients.fednl.model` installs it on a model,
+:mod:`clients.fednl.stream` runs it block by block, :mod:`clients.fednl.deltarule` holds
+the delta rule's kernels (ops), :mod:`clients.fednl.config` the settings. The new
+parameters are named ``...self_attn.fednl_gate`` and ``...self_attn.fednl_beta.*``.
 Typical use (the order matters: PEFT freezes everything that is not LoRA)::
 
     model = add_delta_memory(model, FedNLConfig(window=None))
@@ -46,65 +50,17 @@ Typical use (the order matters: PEFT freezes everything that is not LoRA)::
 
 from __future__ import annotations
 
-import math
 import sys
-import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clients.fednl.config import BETA_MODES, FedNLConfig
 from clients.fednl.deltarule import delta_rule_chunked, delta_rule_recurrent, fla_usable, l2_normalize
-from strategies.fednl import MODES as PAYLOAD_MODES  # the wire contract: the server's names and modes
-from strategies.fednl import theta_kind
 
 Tensor = torch.Tensor
-
-GATE_MODES = ("scalar", "channel")
-BETA_MODES = ("input", "constant")
-QK_ACTIVATIONS = ("silu", "identity")
-STREAM_FORMS = ("recurrent", "chunked")
-
-# What a Llama-family attention module has (LlamaAttention, Qwen2Attention, ...).
-_ATTENTION_ATTRIBUTES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "num_key_value_groups", "scaling", "layer_idx", "config",
-)  # fmt: skip
-
-
-@dataclass
-class FedNLConfig:
-    """How :func:`add_delta_memory` builds the dual-path attention."""
-
-    chunk_size: int = 64  # tokens per chunk of the training-time (WY/UT) delta rule
-    window: int | None = None  # softmax path's sliding window; None = the backbone's full attention
-    gate: str = "scalar"  # "scalar" | "channel": one alpha per layer, or one per attention channel
-    gate_init_logit: float = -4.0  # alpha = sigmoid(logit) at init
-    beta: str = "input"  # "input": sigmoid(W x + b) per head | "constant": sigmoid(b) per head
-    beta_init_logit: float = 0.0  # b at init (W starts at zero): beta = 0.5
-    qk_activation: str = "silu"  # applied to q, k before L2 normalisation in the memory path
-    use_fla: bool | None = None  # fla's CUDA kernel: None = when usable, True = required, False = never
-
-    def __post_init__(self) -> None:
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if self.window is not None and (
-            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0
-        ):
-            raise ValueError(f"window must be None or a positive int, got {self.window!r}")
-        if self.gate not in GATE_MODES:
-            raise ValueError(f"gate must be one of {GATE_MODES}, got {self.gate!r}")
-        if self.beta not in BETA_MODES:
-            raise ValueError(f"beta must be one of {BETA_MODES}, got {self.beta!r}")
-        if self.qk_activation not in QK_ACTIVATIONS:
-            raise ValueError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {self.qk_activation!r}")
-        if self.use_fla not in (None, True, False):
-            raise ValueError(f"use_fla must be None, True or False, got {self.use_fla!r}")
-        for name in ("gate_init_logit", "beta_init_logit"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
 
 
 class BetaProjection(nn.Module):
@@ -133,109 +89,6 @@ class BetaProjection(nn.Module):
         return torch.sigmoid(logits.float()).transpose(1, 2)
 
 
-# --------------------------------------------------------------------------- installing the memory
-def _is_attention(module: nn.Module) -> bool:
-    return all(hasattr(module, name) for name in _ATTENTION_ATTRIBUTES)
-
-
-def memory_attentions(model: nn.Module) -> list[nn.Module]:
-    """The attention modules that carry a delta memory, in layer order."""
-    return [m for m in model.modules() if getattr(m, "fednl_config", None) is not None]
-
-
-def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.Module:
-    """Make every self-attention layer dual-path (in place) and freeze the backbone.
-
-    Each attention module keeps its own projections and parameter names; it gains
-    ``fednl_gate`` (the memory gate's logit) and ``fednl_beta`` (a :class:`BetaProjection`),
-    both trainable float32, and its ``forward`` is replaced by the dual-path one. Every
-    parameter that existed before is frozen. Returns ``model``.
-    """
-    config = config or FedNLConfig()
-    if not isinstance(config, FedNLConfig):
-        raise TypeError(f"config must be a FedNLConfig, got {type(config).__name__}")
-    if memory_attentions(model):
-        raise ValueError("this model already has a FedNL delta memory")
-    attentions = [m for m in model.modules() if _is_attention(m)]
-    if not attentions:
-        raise ValueError(
-            f"no self-attention module with q_proj/k_proj/v_proj/o_proj found in {type(model).__name__}; "
-            "FedNL supports Llama-family decoders (Llama, Qwen2, SmolLM2, ...)"
-        )
-    model.requires_grad_(False)
-    for attn in attentions:
-        num_heads = attn.config.num_attention_heads
-        channels = num_heads * attn.head_dim
-        device = next(attn.o_proj.parameters()).device
-        shape = (1,) if config.gate == "scalar" else (channels,)
-        attn.fednl_gate = nn.Parameter(torch.full(shape, float(config.gate_init_logit), device=device))
-        attn.fednl_beta = BetaProjection(attn.config.hidden_size, num_heads, config.beta, config.beta_init_logit).to(
-            device
-        )
-        attn.fednl_config = config
-        attn.fednl_stream = None  # set only while a FedNLStreamer runs a block
-        attn.forward = types.MethodType(dual_path_attention_forward, attn)
-    return model
-
-
-def is_memory_param(name: str) -> bool:
-    """Whether a parameter name belongs to the memory rule (gate or beta)."""
-    return theta_kind(name) == "memory"
-
-
-def is_qkv_lora_param(name: str) -> bool:
-    """Whether a parameter name is a PEFT LoRA weight on q_proj, k_proj or v_proj."""
-    return theta_kind(name) == "lora"
-
-
-def meta_rule_names(model: nn.Module, mode: str = "meta-rules") -> list[str]:
-    """Names (as ``model.named_parameters()`` gives them) of the payload theta.
-
-    ``"meta-rules"``: LoRA on q/k/v + gate + beta (the seed's theta; needs PEFT LoRA).
-    ``"gate"``: gate + beta only (LoRA, if any, stays on the client).
-    """
-    if mode not in PAYLOAD_MODES:
-        raise ValueError(f"mode must be one of {PAYLOAD_MODES}, got {mode!r}")
-    names = [name for name, _ in model.named_parameters()]
-    memory = [n for n in names if is_memory_param(n)]
-    if not memory:
-        raise ValueError("the model has no FedNL memory parameters; call add_delta_memory(model, config) first")
-    if mode == "gate":
-        return memory
-    lora = [n for n in names if is_qkv_lora_param(n)]
-    if not lora:
-        raise ValueError(
-            "payload mode 'meta-rules' needs LoRA on q_proj/k_proj/v_proj; wrap the model with "
-            "peft.get_peft_model(model, LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj']))"
-        )
-    chosen = set(memory) | set(lora)
-    return [n for n in names if n in chosen]
-
-
-def mark_trainable(model: nn.Module) -> list[str]:
-    """Train LoRA on q/k/v (if present) + gate + beta; freeze everything else.
-
-    Call it after ``peft.get_peft_model`` (which freezes every non-LoRA parameter,
-    the gate and beta included). Returns the names of the trainable parameters.
-    """
-    trainable = []
-    for name, param in model.named_parameters():
-        train = is_memory_param(name) or is_qkv_lora_param(name)
-        param.requires_grad_(train)
-        if train:
-            trainable.append(name)
-    if not any(is_memory_param(n) for n in trainable):
-        raise ValueError("the model has no FedNL memory parameters; call add_delta_memory(model, config) first")
-    return trainable
-
-
-@torch.no_grad()
-def memory_gate_values(model: nn.Module) -> list[float]:
-    """Mean alpha = sigmoid(gate) of each layer (for logging)."""
-    return [torch.sigmoid(attn.fednl_gate.float()).mean().item() for attn in memory_attentions(model)]
-
-
-# --------------------------------------------------------------------------- the dual-path forward
 def _model_function(attn: nn.Module, name: str) -> Callable:
     """``apply_rotary_pos_emb`` / ``eager_attention_forward`` of the attention's own model
     file (Qwen2's are its own), falling back to Llama's."""
@@ -311,7 +164,7 @@ def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: 
     return (allowed | diagonal).expand(batch, 1, length, total)
 
 
-class _LayerStream:
+class LayerStream:
     """One layer's carried state while streaming: delta memory + sliding-window KV cache."""
 
     def __init__(self, window: int | None, form: str):
@@ -353,7 +206,7 @@ def dual_path_attention_forward(
     ``(attn_output, attn_weights)``.
     """
     config: FedNLConfig = self.fednl_config
-    stream: _LayerStream | None = self.fednl_stream
+    stream: LayerStream | None = self.fednl_stream
     batch, length = hidden_states.shape[:2]
     hidden_shape = (batch, length, -1, self.head_dim)
 
@@ -439,99 +292,3 @@ def dual_path_attention_forward(
     alpha = torch.sigmoid(self.fednl_gate)
     mixed = ((1 - alpha) * soft + alpha * memory_out).to(soft.dtype)
     return self.o_proj(mixed), attn_weights
-
-
-# --------------------------------------------------------------------------- streaming inference
-def _stream_window(attn: nn.Module) -> int | None:
-    """The softmax window a streamed layer keeps: FedNL's ``window``, and also the
-    backbone's own sliding window on layers that have one (Gemma3's local layers,
-    Qwen2 with ``use_sliding_window``), whichever is smaller."""
-    windows = [w for w in (attn.fednl_config.window, getattr(attn, "sliding_window", None)) if w]
-    return min(int(w) for w in windows) if windows else None
-
-
-class FedNLStreamer:
-    """Runs a FedNL model over an arbitrarily long token stream, block by block.
-
-    Each layer carries (a) its delta-memory state, ``(batch, heads, d_v, d_k)``, and
-    (b) a KV cache of at most ``window`` tokens for the softmax path, so with a window
-    the carried state, and the peak memory of a block, do not grow with the context.
-    (``window=None`` keeps the whole KV cache: exact full attention, growing memory.)
-    Sequences in a batch advance together; padding is not supported here.
-
-    The state lives in the streamer; modules are switched into streaming mode only
-    while :meth:`step` runs, so the model stays usable for ordinary forwards. Blocks run
-    under ``torch.no_grad()`` in whatever mode the model is in: call ``model.eval()``.
-    """
-
-    def __init__(self, model: nn.Module, block: int = 256, form: str = "recurrent"):
-        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-            raise ValueError(f"block must be a positive int, got {block!r}")
-        if form not in STREAM_FORMS:
-            raise ValueError(f"form must be one of {STREAM_FORMS}, got {form!r}")
-        self.model = model
-        self.block = block
-        self.form = form
-        self.attentions = memory_attentions(model)
-        if not self.attentions:
-            raise ValueError("the model has no FedNL memory; call add_delta_memory(model, config) first")
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget everything: a new stream starts with S = 0 and an empty cache."""
-        self.states = [_LayerStream(_stream_window(attn), self.form) for attn in self.attentions]
-        self.position = 0
-
-    def state_bytes(self) -> int:
-        """Bytes carried between blocks (memories + window caches, all layers)."""
-        return sum(state.nbytes() for state in self.states)
-
-    @torch.no_grad()
-    def step(self, input_ids: Tensor) -> Tensor:
-        """Feed the next tokens ``(batch, T)`` (any T); return their logits ``(batch, T, vocab)``."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, T), got {tuple(input_ids.shape)}")
-        batch, length = input_ids.shape
-        positions = torch.arange(self.position, self.position + length, device=input_ids.device)
-        for attn, state in zip(self.attentions, self.states):
-            attn.fednl_stream = state
-        try:
-            out = self.model(input_ids=input_ids, position_ids=positions.expand(batch, -1), use_cache=False)
-        finally:
-            for attn in self.attentions:
-                attn.fednl_stream = None
-        self.position += length
-        return out.logits
-
-    def blocks(self, input_ids: Tensor):
-        """Yield ``(start, logits)`` for consecutive blocks of ``input_ids``."""
-        for start in range(0, input_ids.shape[1], self.block):
-            yield start, self.step(input_ids[:, start : start + self.block])
-
-
-def stream_logits(model: nn.Module, input_ids: Tensor, block: int = 256, form: str = "recurrent") -> Tensor:
-    """All logits ``(batch, T, vocab)`` of a stream processed block by block (for short checks;
-    use :func:`stream_token_nll` for long streams, whose logits would not fit)."""
-    streamer = FedNLStreamer(model, block=block, form=form)
-    return torch.cat([logits for _, logits in streamer.blocks(input_ids)], dim=1)
-
-
-def stream_token_nll(model: nn.Module, input_ids: Tensor, block: int = 256, form: str = "recurrent") -> Tensor:
-    """Next-token negative log-likelihood ``(batch, T - 1)`` of a stream, block by block.
-
-    Memory stays bounded by one block's logits. Entry t is ``-log p(x_{t+1} | x_<=t)``
-    (the streaming cross-entropy diagnostic bins these per 1K tokens).
-    """
-    streamer = FedNLStreamer(model, block=block, form=form)
-    length = input_ids.shape[1]
-    pieces = []
-    for start, logits in streamer.blocks(input_ids):
-        end = min(start + logits.shape[1], length - 1)  # the last token has no target
-        if end <= start:
-            break
-        targets = input_ids[:, start + 1 : end + 1]
-        log_probs = torch.log_softmax(logits[:, : end - start].float(), dim=-1)
-        pieces.append(-log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
-    if not pieces:
-        return input_ids.new_zeros(input_ids.shape[0], 0, dtype=torch.float32)
-    return torch.cat(pieces, dim=1)

@@ -1,0 +1,44 @@
+"""FedNL's settings: how :func:`clients.fednl.model.add_delta_memory` builds the memory."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GATE_MODES = ("scalar", "channel")
+BETA_MODES = ("input", "constant")
+QK_ACTIVATIONS = ("silu", "identity")
+
+
+@dataclass
+class FedNLConfig:
+    """How :func:`add_delta_memory` builds the dual-path attention."""
+
+    chunk_size: int = 64  # tokens per chunk of the training-time (WY/UT) delta rule
+    window: int | None = None  # softmax path's sliding window; None = the backbone's full attention
+    gate: str = "scalar"  # "scalar" | "channel": one alpha per layer, or one per attention channel
+    gate_init_logit: float = -4.0  # alpha = sigmoid(logit) at init
+    beta: str = "input"  # "input": sigmoid(W x + b) per head | "constant": sigmoid(b) per head
+    beta_init_logit: float = 0.0  # b at init (W starts at zero): beta = 0.5
+    qk_activation: str = "silu"  # applied to q, k before L2 normalisation in the memory path
+    use_fla: bool | None = None  # fla's CUDA kernel: None = when usable, True = required, False = never
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0
+        ):
+            raise ValueError(f"window must be None or a positive int, got {self.window!r}")
+        if self.gate not in GATE_MODES:
+            raise ValueError(f"gate must be one of {GATE_MODES}, got {self.gate!r}")
+        if self.beta not in BETA_MODES:
+            raise ValueError(f"beta must be one of {BETA_MODES}, got {self.beta!r}")
+        if self.qk_activation not in QK_ACTIVATIONS:
+            raise ValueError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {self.qk_activation!r}")
+        if self.use_fla not in (None, True, False):
+            raise ValueError(f"use_fla must be None, True or False, got {self.use_fla!r}")
+        for name in ("gate_init_logit", "beta_init_logit"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")

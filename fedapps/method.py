@@ -1,0 +1,111 @@
+"""What a method is to Postcard: one :class:`Method` record per algorithm.
+
+A method gives the common ClientApp (``fedapps.client_app``) and the common server
+(``fedapps.runner``) four functions; ``fedapps.registry`` registers every record in one
+place (PEFT's ``register_peft_method`` is the model):
+
+* ``prepare(cfg) -> (model, tokenizer, extra)`` builds what a client trains, once per
+  process (``fedapps.session.session``);
+* ``train(call) -> Update`` and ``evaluate(call) -> metrics`` answer one message: the
+  ClientApp has already read the run's config, opened the node's session and will add
+  ``partition-id`` to the metrics and build the reply;
+* ``plan_server(cfg, *, on_round_end, config_yaml) -> ServerPlan`` builds the strategy and
+  says how to save the final global state.
+
+The model kinds a method runs on are declared in its ``conf/algorithm/<name>.yaml``
+(``models:``) and checked when the config is composed, before any model is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What a method gives the common runner: its strategy, and how to save the result."""
+
+    strategy: object
+    save_final: Callable  # (global_state: dict[str, np.ndarray], run_dir: Path) -> dict | None
+
+
+@dataclass
+class ClientCall:
+    """One message to a client: the run's config, the node's session, the message itself."""
+
+    msg: Message
+    context: Context
+    cfg: object  # the run's resolved config (as the server sent it)
+    session: object  # fedapps.session.Session: this process's model and this node's task
+
+    @property
+    def config(self) -> ConfigRecord:
+        """The server's per-message settings (``server-round``, strategy extras)."""
+        return self.msg.content["config"]
+
+    @property
+    def arrays(self) -> ArrayRecord:
+        """The downlink: the global state in the strategy's wire format."""
+        return self.msg.content["arrays"]
+
+    @property
+    def server_round(self) -> int:
+        return int(self.config.get("server-round", 0))
+
+    @property
+    def seed(self) -> int:
+        """This node's seed for this round (batches, dropout, stochastic rounding)."""
+        return round_seed(self.cfg, self.server_round, self.session.partition_id)
+
+
+@dataclass
+class Update:
+    """A client's training reply: its metrics, its uplink and any records of the method's own."""
+
+    metrics: dict
+    arrays: ArrayRecord
+    records: dict[str, ConfigRecord] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One federated method as Postcard runs it (see the module docstring)."""
+
+    name: str
+    prepare: Callable[[object], tuple]
+    train: Callable[[ClientCall], Update]
+    evaluate: Callable[[ClientCall], dict]
+    plan_server: Callable[..., ServerPlan]
+
+
+def round_seed(cfg, server_round: int, partition_id: int) -> int:
+    return int(cfg.seed) * 1_000_003 + server_round * 1_009 + partition_id
+
+
+def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
+    """The keyword arguments every strategy takes from the run's configuration: the bounds on
+    each client's influence (the ``robust`` group), the YAML sent to each client once, the
+    client count and minimum, the sampled fractions, and the runner's round-end callback."""
+    from omegaconf import OmegaConf
+
+    from strategies.robust import Robustness
+
+    return dict(
+        robustness=Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)),
+        config_yaml=config_yaml,
+        num_clients=int(cfg.num_clients),
+        min_clients=cfg.strategy.min_clients,
+        fraction_train=float(cfg.strategy.fraction_train),
+        fraction_evaluate=float(cfg.strategy.fraction_evaluate),
+        on_round_end=on_round_end,
+    )
+
+
+def uplink_kwargs(algorithm) -> dict:
+    """The strategy's uplink settings from ``algorithm.payload/uplink/compression``."""
+    comp = algorithm.get("compression") or {}
+    return dict(uplink_format=str(algorithm.payload), uplink=str(algorithm.get("uplink", "absolute")),
+                topk_fraction=comp.get("topk_fraction"), powersgd_rank=comp.get("powersgd_rank"))

@@ -1,0 +1,88 @@
+"""The method registry and the import graph it keeps acyclic (docs/design.md, "Layers")."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from fedapps import registry
+from fedapps.config import compose
+from fedapps.method import Method
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("clients", "fedapps", "strategies")
+
+
+def test_every_config_group_is_a_registered_method_and_back():
+    groups = {p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml")}
+    assert groups == set(registry.METHODS)
+    for name in groups:  # the group's name: key is the record it runs
+        assert compose(algorithm=name).algorithm.name == name
+        method = registry.get(name)
+        assert isinstance(method, Method) and method.name == name
+        assert all(callable(f) for f in (method.prepare, method.train, method.evaluate, method.plan_server))
+
+
+def test_unknown_or_twice_registered_methods_are_refused():
+    with pytest.raises(KeyError, match="no method registered as 'fedsgd'; known: fedala, fedavg-full"):
+        registry.get("fedsgd")
+    with pytest.raises(ValueError, match="'flite' is registered twice"):
+        registry.register(registry.get("flite"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path, package: str) -> set[str]:
+    """Project modules ``path`` imports when it is imported (not inside functions)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    statements = list(tree.body)
+    while statements:
+        node = statements.pop(0)
+        if isinstance(node, (ast.If, ast.Try)):  # module-level guards still run at import
+            statements.extend(node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []))
+            for handler in getattr(node, "handlers", []):
+                statements.extend(handler.body)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            found.add(f"{base}.{node.module}" if node.module else base)
+    return found
+
+
+def test_the_project_has_no_import_circle_and_strategies_stand_alone():
+    modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = {m for m in _top_level_imports(path, package) if m in modules and m != name}
+    for name, deps in graph.items():
+        if name.startswith("strategies"):
+            assert all(d.startswith("strategies") for d in deps), f"{name} imports {deps}"
+        if name.startswith("clients"):
+            assert not any(d.startswith("fedapps") for d in deps), f"{name} imports {deps}"
+    # depth-first search for a cycle; a package's __init__ importing its own submodules is no cycle
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if dep.startswith(node + "."):
+                continue
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep] if dep in path else [node, dep]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
