@@ -35,7 +35,8 @@ def prepare(cfg):
     return model, tokenizer, {"names": federated_names(model, cfg.algorithm)}
 
 
-def _load(model, arrays) -> dict[str, torch.Tensor]:
+def load_global(model, arrays) -> dict[str, torch.Tensor]:
+    """Decode a downlink (validated by the codec) into the model's federated tensors; returns them."""
     state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
     load_federated_state(model, state)
     return state
@@ -44,7 +45,7 @@ def _load(model, arrays) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
     cfg, s = call.cfg, call.session
-    received = _load(s.model, call.arrays)
+    received = load_global(s.model, call.arrays)
     mu = float(call.config.get("proximal-mu", 0.0))
     metrics = local_train(
         s.model, s.task, cfg.train,
@@ -60,7 +61,7 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
-    _load(call.session.model, call.arrays)
+    load_global(call.session.model, call.arrays)
     return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
 

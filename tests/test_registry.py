@@ -86,3 +86,74 @@ def test_the_project_has_no_import_circle_and_strategies_stand_alone():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+# ---------------------------------------------------------------------- the worked example
+def _design_blocks() -> dict[str, str]:
+    """The code blocks of docs/design.md's worked example, by the file they say they are."""
+    import re
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", text, re.S)
+    out = {}
+    for block in blocks:
+        first = block.splitlines()[0]
+        if first.startswith("# file: "):
+            out[first[len("# file: "):].strip()] = block
+    yaml_block = re.search(r"Config, `conf/algorithm/signlora.yaml`:\n\n```yaml\n(.*?)```", text, re.S)
+    out["conf/algorithm/signlora.yaml"] = yaml_block.group(1)
+    return out
+
+
+def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monkeypatch):
+    import sys
+    import types
+
+    import numpy as np
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from omegaconf import OmegaConf
+
+    from fedapps import client_app
+    from fedapps.config import to_yaml
+    from strategies.base import CONFIG_RECORD
+
+    blocks = _design_blocks()
+    assert set(blocks) == {"strategies/signlora.py", "clients/signlora/__init__.py", "fedapps/signlora.py",
+                           "conf/algorithm/signlora.yaml"}
+    for path in ("strategies/signlora.py", "clients/signlora/__init__.py", "fedapps/signlora.py"):
+        name = path.removesuffix("/__init__.py").removesuffix(".py").replace("/", ".")
+        module = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, module)
+        exec(compile(blocks[path], path, "exec"), module.__dict__)  # noqa: S102 - the doc's own code
+    method = sys.modules["fedapps.signlora"].METHOD
+    monkeypatch.setitem(registry.METHODS, "signlora", method)
+    assert registry.get("signlora") is method
+
+    cfg = compose("train.local_steps=2", algorithm="fedavg-lora", preset="test")
+    extra = OmegaConf.create(blocks["conf/algorithm/signlora.yaml"])
+    assert list(extra.defaults) == ["fedavg-lora", "_self_"]
+    OmegaConf.set_struct(cfg, False)
+    cfg.algorithm = OmegaConf.merge(cfg.algorithm, {"name": extra.name, "server_lr": 0.5})
+    OmegaConf.set_struct(cfg, True)
+
+    strategy = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    before = {k: v.copy() for k, v in strategy.global_state.items()}
+    node = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                   run_config={})
+    content = RecordDict({"arrays": strategy.downlink_arrays(), "config": ConfigRecord({"server-round": 1}),
+                          CONFIG_RECORD: ConfigRecord({"yaml": to_yaml(cfg)})})
+    out = client_app.app(Message(content, dst_node_id=1, message_type="train"), node)
+    assert not out.has_error(), out.error if out.has_error() else None
+    assert out.content["metrics"]["partition-id"] == 0
+
+    update, examples = strategy.validate_reply(out)
+    assert examples > 0 and set(update) == set(strategy.uplink_keys)
+    moved = 0
+    for value in update.values():  # sign(Δ)·mean|Δ|: one magnitude per tensor
+        magnitudes = np.unique(np.abs(value[value != 0]))
+        assert magnitudes.size <= 1
+        moved += magnitudes.size
+    assert moved > 0  # training changed something
+    new = strategy.aggregate_payloads([update], [examples])
+    for key, value in new.items():
+        np.testing.assert_allclose(value, before[key] + 0.5 * update[key], rtol=0, atol=1e-7)
