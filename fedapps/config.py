@@ -6,6 +6,8 @@ by the ``postcard`` CLI and by tests, so a run means the same thing however it s
 
 from __future__ import annotations
 
+import difflib
+import functools
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -57,6 +59,7 @@ def compose(overrides: Sequence[str] | str = (), **groups: str | None) -> DictCo
         key = item.split("=", 1)[0].lstrip("+~")
         if key in GROUPS and "=" in item:
             _check_choice(key, item.split("=", 1)[1])
+    _check_keys(items + [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS], overrides)
     items.extend(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="postcard"):
@@ -64,6 +67,62 @@ def compose(overrides: Sequence[str] | str = (), **groups: str | None) -> DictCo
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err)) from None
     return finalize(cfg)
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Group choices and keys of command-line overrides, before Hydra sees them (a sweep's
+    ``key=a,b`` is checked per choice); ConfigError names the fix."""
+    groups = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.lstrip("+~")
+        if key in GROUPS and value:
+            for choice in value.split(","):
+                _check_choice(key, choice)
+            groups.append(f"{key}={value.split(',')[0]}")
+    _check_keys(groups, overrides)
+
+
+@functools.lru_cache(maxsize=32)
+def _known_keys(group_items: tuple[str, ...]) -> frozenset[str]:
+    """Every dotted key (inner nodes too) of the config these group choices compose to."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="postcard"):
+        base = OmegaConf.to_container(hydra_compose(config_name="config", overrides=list(group_items)))
+    keys: set[str] = set()
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            keys.add(prefix + str(key))
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(base, "")
+    return frozenset(keys)
+
+
+def _check_keys(group_items: list[str], overrides: Sequence[str]) -> None:
+    """Every override names a key the chosen groups have (``+key`` too: a typo is never added);
+    an unknown one is refused with the closest known keys."""
+    known = None
+    for item in overrides:
+        if "=" not in item:
+            continue
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key in GROUPS or key.startswith("hydra.") or "/" in key:
+            continue
+        if known is None:
+            known = _known_keys(tuple(sorted(group_items)))
+        if key in known:
+            continue
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        if parent and parent not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+        else:
+            siblings = sorted(k for k in known if k != parent and (k.rsplit(".", 1)[0] == parent if parent else "." not in k))
+            close = difflib.get_close_matches(key, siblings, n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+            " (`postcard --cfg job` prints every key)"
+        raise ConfigError(f"unknown config key '{key}'{hint}")
 
 
 def _explain(err: Exception) -> str:

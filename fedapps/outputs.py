@@ -88,8 +88,19 @@ class RunDir:
             record["seconds"], len(record["refused"]))
 
     # ------------------------------------------------------------------ end of run
+    def fail(self, err: BaseException, history: list[dict]) -> None:
+        """Mark the folder as a failed run: ``summary.json`` with ``status: failed``, the error and
+        what was recorded up to then (rounds in ``metrics.jsonl`` and ``checkpoint.npz`` stay, so
+        ``resume`` can continue it)."""
+        reason = f"{type(err).__name__}: {err}".strip() if str(err) else type(err).__name__
+        summary = {"status": "failed", "error": reason,
+                   "last_round": max((r["round"] for r in history), default=None),
+                   "algorithm": self.cfg.algorithm.name, "task": self.cfg.task.name, "run_dir": str(self.path)}
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(INFO, "Run failed (%s); marked in %s", reason, self.path / "summary.json")
+
     def finish(self, history: list[dict], extra: dict | None = None) -> dict:
-        summary = summarize(self.cfg, history)
+        summary = {"status": "completed", **summarize(self.cfg, history)}
         summary.update(extra or {})
         summary["run_dir"] = str(self.path)
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -185,8 +196,48 @@ COLUMNS = ("algorithm", "task", "model", "partition", "rounds", "num_clients", "
            "downlink_bytes_per_client_round", "wall_seconds", "run_dir")
 
 
+# config keys that name a run rather than an experiment: never "swept"
+_NOT_SWEPT = ("output_dir", "run_name", "resume")
+
+
+def _leaves(tree, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in (tree or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_leaves(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def swept_keys(summaries: list[dict]) -> list[str]:
+    """The config keys whose values differ between the runs (what a sweep varied), beyond the
+    group names already shown (a group's own keys change with it, so they are left out then)."""
+    leaves = [_leaves(s.get("config")) for s in summaries]
+    if len(leaves) < 2:
+        return []
+    keys = sorted(set().union(*leaves))
+    differ = [k for k in keys if len({json.dumps(leaf.get(k), sort_keys=True, default=str) for leaf in leaves}) > 1]
+    groups = {"algorithm", "task", "model", "partition"}
+    changed_groups = {g for g in groups if len({s.get(g) for s in summaries}) > 1}
+    return [k for k in differ if k.split(".")[0] not in changed_groups and k not in _NOT_SWEPT
+            and not k.endswith(".name")]
+
+
+def run_label(summary: dict, swept: list[str]) -> str:
+    """A run's name in a comparison: its algorithm and the swept values (``fedprox train.lr=0.001``)."""
+    leaves = _leaves(summary.get("config"))
+    return " ".join([str(summary.get("algorithm"))] + [f"{k}={leaves.get(k)}" for k in swept])
+
+
 def comparison_rows(summaries: list[dict]) -> list[dict]:
-    rows = [{k: s.get(k) for k in COLUMNS} for s in summaries]
+    """One row per run: the COLUMNS, then a column per swept config key (:func:`swept_keys`)."""
+    swept = swept_keys(summaries)
+    rows = []
+    for s in summaries:
+        leaves = _leaves(s.get("config"))
+        rows.append({**{k: s.get(k) for k in COLUMNS}, **{k: leaves.get(k) for k in swept}})
     base = next((r["uplink_bytes_per_client_round"] for r in rows if r["algorithm"] == "fedavg-lora"), None)
     for row in rows:
         up = row["uplink_bytes_per_client_round"]
@@ -195,14 +246,16 @@ def comparison_rows(summaries: list[dict]) -> list[dict]:
 
 
 def write_comparison(summaries: list[dict], folder: Path) -> Path:
-    """comparison.md, comparison.csv (one row per run) and comparison.png (the curves)."""
+    """comparison.md, comparison.csv (one row per run, a column per swept key) and comparison.png
+    (one curve per run)."""
     rows = comparison_rows(summaries)
+    swept = swept_keys(summaries)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "comparison.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    shown = ["algorithm", "task", "model", "partition", "metric", "initial_metric", "final_metric",
+    shown = ["algorithm", *swept, "task", "model", "partition", "metric", "initial_metric", "final_metric",
              "uplink_bytes_per_client_round", "uplink_vs_fedavg_lora", "wall_seconds"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     for row in rows:
@@ -247,6 +300,20 @@ def cumulative_curve(run_dir: str | Path, metric: str) -> list[tuple[int, float,
     return points
 
 
+def comparison_curves(summaries: list[dict], metric: str) -> dict[str, list]:
+    """One (round, metric, cumulative bytes) curve per run, labelled by :func:`run_label`
+    (runs with equal labels, e.g. repeats of one config, are numbered)."""
+    swept = swept_keys(summaries)
+    labels = [run_label(s, swept) for s in summaries]
+    curves, seen = {}, {}
+    for summary, label in zip(summaries, labels):
+        if labels.count(label) > 1:
+            seen[label] = seen.get(label, 0) + 1
+            label = f"{label} #{seen[label]}"
+        curves[label] = cumulative_curve(summary["run_dir"], metric)
+    return curves
+
+
 def plot_comparison(summaries: list[dict], path: Path) -> None:
     """Each run's metric against the uplink bytes one client has sent so far (log scale)."""
     import matplotlib
@@ -257,7 +324,7 @@ def plot_comparison(summaries: list[dict], path: Path) -> None:
     metrics = sorted({s["metric"] for s in summaries})
     fig, axes = plt.subplots(1, len(metrics), figsize=(7 * len(metrics), 4.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        curves = {s["algorithm"]: cumulative_curve(s["run_dir"], metric) for s in summaries if s["metric"] == metric}
+        curves = comparison_curves([s for s in summaries if s["metric"] == metric], metric)
         draw_curves(ax, curves, metric, f"{metric} vs bytes sent (hollow: round 0, before any upload)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -170,10 +170,20 @@ def run_server(grid: Grid, cfg) -> dict:
     cfg.num_clients = wanted or count  # resolved before the config is written and sent
     OmegaConf.set_struct(cfg, True)
 
+    # the method's server first: a run that cannot start (no SmartFed pool, a bad budget) leaves no folder
+    plan = method.plan_server(cfg, on_round_end=lambda record: out.write_round(record), config_yaml=to_yaml(cfg))
+    strategy = plan.strategy
     out, checkpoint = ckpt.open_run_dir(cfg, resume_dir, must_exist)
     log(INFO, "Postcard: %s on %s with %s, %d clients, %d rounds -> %s",
         cfg.algorithm.name, cfg.task.name, cfg.model.name, cfg.num_clients, cfg.rounds, out.path)
-    plan = method.plan_server(cfg, on_round_end=out.write_round, config_yaml=to_yaml(cfg))
+    try:
+        return _run_rounds(grid, cfg, plan, out, checkpoint)
+    except BaseException as err:  # the folder says the run failed, and why; the error goes on up
+        out.fail(err, strategy.history)
+        raise
+
+
+def _run_rounds(grid: Grid, cfg, plan, out, checkpoint) -> dict:
     strategy = plan.strategy
     log(INFO, "federated tensors: %d (%s values); uplink format %s",
         len(strategy.uplink_keys), f"{sum(strategy.global_state[k].size for k in strategy.uplink_keys):,}",

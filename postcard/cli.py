@@ -68,6 +68,20 @@ def main() -> None:
                                    for g in ("algorithm", "task", "model", "partition", "preset")))
         print("Hydra's own options: postcard --hydra-help")
         return
+    # keys and choices are checked before Hydra composes (its own advice for a misspelled key
+    # is to add it with +key); Hydra's --cfg prints without running the job: validate it first
+    from fedapps.config import check_overrides, compose
+
+    args = sys.argv[1:]
+    overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
+    try:
+        check_overrides(overrides)
+        multirun = any(arg in ("-m", "--multirun") for arg in args)
+        if not multirun and any(arg in ("--cfg", "-c") or arg.startswith("--cfg=") for arg in args):
+            compose(overrides)
+    except ConfigError as err:
+        print(f"postcard: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     run()
 
 

@@ -247,3 +247,26 @@ def test_a_simulated_run_resumes_after_its_last_checkpoint(outputs):
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert ckpt.load(second["run_dir"]).round == 2
     assert second["metric_by_round"]["1"] == first["metric_by_round"]["1"]  # round 1 kept, not redone
+
+
+def test_a_failed_run_is_marked_failed_and_one_that_cannot_start_leaves_no_folder(tmp_path):
+    from fedapps.runner import run_server
+    from fedapps.smartfed import SmartFedError
+
+    class BrokenGrid(FakeGrid):
+        def push_messages(self, messages):
+            raise RuntimeError("the SuperLink went away")
+
+    cfg = compose([f"output_dir={tmp_path}", "num_clients=3", "strategy.node_wait=1"], preset="test")
+    with pytest.raises(RuntimeError, match="went away"):
+        run_server(BrokenGrid(None), cfg)
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and "the SuperLink went away" in summary["error"]
+    assert (run / "config.yaml").is_file()
+
+    nowhere = compose([f"output_dir={tmp_path / 'smartfed'}", "num_clients=3", f"algorithm.pool={tmp_path / 'none'}"],
+                      algorithm="smartfed", preset="test")
+    with pytest.raises(SmartFedError, match="no knowledge pool"):
+        run_server(FakeGrid(None), nowhere)
+    assert not (tmp_path / "smartfed").exists()

@@ -1,0 +1,45 @@
+"""Comparison tables and plots over any sweep: a column per swept key, a curve per run."""
+
+import csv
+import json
+
+from fedapps.outputs import comparison_curves, swept_keys, write_comparison
+
+
+def _run(tmp_path, name: str, lr: float, algorithm: str = "fedavg-lora", losses=(3.0, 2.0)) -> dict:
+    folder = tmp_path / name
+    folder.mkdir()
+    records = [{"round": 0, "eval": {"perplexity": 70.0}, "clients": []}]
+    for i, value in enumerate(losses, start=1):
+        records.append({"round": i, "eval": {"perplexity": 70.0 - 10 * i * lr * 1000},
+                        "clients": [{"uplink_payload_bytes": 1000, "train_loss": value}]})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = {"algorithm": {"name": algorithm, "lora": {"r": 8}}, "train": {"lr": lr, "local_steps": 4},
+              "task": {"name": "shakespeare"}, "output_dir": str(tmp_path), "seed": 0}
+    return {"algorithm": algorithm, "task": "shakespeare", "model": "tiny-llama", "partition": "iid",
+            "metric": "perplexity", "initial_metric": 70.0, "final_metric": records[-1]["eval"]["perplexity"],
+            "uplink_bytes_per_client_round": 1000.0, "wall_seconds": 1.0, "run_dir": str(folder), "config": config}
+
+
+def test_a_learning_rate_sweep_gets_a_column_and_a_curve_per_run(tmp_path):
+    runs = [_run(tmp_path, "a", 1e-3), _run(tmp_path, "b", 1e-2)]
+    assert swept_keys(runs) == ["train.lr"]
+    curves = comparison_curves(runs, "perplexity")
+    assert sorted(curves) == ["fedavg-lora train.lr=0.001", "fedavg-lora train.lr=0.01"]  # two curves, not one
+    assert curves["fedavg-lora train.lr=0.01"][-1][1] != curves["fedavg-lora train.lr=0.001"][-1][1]
+    write_comparison(runs, tmp_path / "sweep")
+    with open(tmp_path / "sweep" / "comparison.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["train.lr"] for row in rows] == ["0.001", "0.01"]
+    table = (tmp_path / "sweep" / "comparison.md").read_text().splitlines()
+    assert table[0].startswith("| algorithm | train.lr | task")
+    assert (tmp_path / "sweep" / "comparison.png").stat().st_size > 0
+
+
+def test_an_algorithm_sweep_keys_by_algorithm_and_repeats_are_numbered(tmp_path):
+    runs = [_run(tmp_path, "a", 1e-3, "fedavg-lora"), _run(tmp_path, "b", 1e-3, "fedprox")]
+    runs[1]["config"]["algorithm"]["proximal_mu"] = 0.01  # a group's own keys change with the group
+    assert swept_keys(runs) == []
+    assert sorted(comparison_curves(runs, "perplexity")) == ["fedavg-lora", "fedprox"]
+    repeats = [_run(tmp_path, "c", 1e-3), _run(tmp_path, "d", 1e-3)]
+    assert sorted(comparison_curves(repeats, "perplexity")) == ["fedavg-lora #1", "fedavg-lora #2"]
