@@ -1,10 +1,14 @@
 """Config composition: every group choice composes; bad choices and keys fail clearly."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from fedapps.config import GROUPS, ConfigError, choices, compose, compose_from_run_config
 
 VISION = {"cifar10", "fmnist"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -93,3 +97,33 @@ def test_simulated_clients_share_the_visible_gpus_or_get_none(monkeypatch):
     assert client_resources(fixed, 4) == {"num_cpus": 2.0, "num_gpus": 0.25}
     with pytest.raises(ConfigError, match="simulation.client_gpus 'auto' or a number >= 0"):
         compose(["simulation.client_gpus=-1"], preset="test")
+
+
+@pytest.mark.parametrize("override", ["train.lrr=1e-3", "+train.lrr=1e-3", "trian.lr=1e-3"])
+def test_a_misspelled_key_is_refused_with_the_closest_known_one(override):
+    with pytest.raises(ConfigError, match=r"unknown config key '(train\.lrr|trian\.lr)'; did you mean 'train\.lr'"):
+        compose(override)
+
+
+def test_keys_of_the_chosen_groups_are_known():
+    assert compose("algorithm.proximal_mu=0.1", algorithm="fedprox").algorithm.proximal_mu == 0.1
+    assert compose("robust.byzantine=2", robust="krum").robust.byzantine == 2
+    with pytest.raises(ConfigError, match="unknown config key 'algorithm.proximal_muu'"):
+        compose("algorithm.proximal_muu=0.1", algorithm="fedprox")
+
+
+def test_postcard_checks_a_config_before_hydra_and_exits_2(tmp_path):
+    import subprocess
+    import sys
+
+    def postcard(*args):
+        return subprocess.run([sys.executable, "-m", "postcard.cli", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    bad = postcard("--cfg", "job", "train.lrr=1")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "postcard: unknown config key 'train.lrr'; did you mean 'train.lr' or 'train.threads'?"]
+    assert postcard("--cfg", "job", "rounds=0").returncode == 2
+    assert postcard("-m", "algorithm=fedavg-lora,fedprx").returncode == 2  # a sweep's choices, before any run
+    good = postcard("--cfg", "job", "train.lr=1e-4")
+    assert good.returncode == 0 and "lr: 0.0001" in good.stdout
