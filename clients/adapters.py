@@ -7,6 +7,8 @@ sees the same names as numpy arrays.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -51,7 +53,9 @@ def apply_lora(model, lora_cfg, seed: int):
     )
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
     torch.random.set_rng_state(state)
     if lora_cfg.get("send", "all") == "b":
         for name, param in peft_model.named_parameters():

@@ -108,9 +108,9 @@ class RunDir:
             plot_run(history, self.metric, self.path)
         except Exception as err:  # a plot must never lose the run's results
             log(INFO, "plots skipped: %s", err)
-        log(INFO, "Final %s: %s (round 0: %s); uplink %s bytes per client per round",
-            self.metric, summary.get("final_metric"), summary.get("initial_metric"),
-            summary.get("uplink_bytes_per_client_round"))
+        log(INFO, "Final %s: %s (round 0: %s); uplink %s bytes per client per round",  # full precision: summary.json
+            self.metric, _fmt(summary.get("final_metric")), _fmt(summary.get("initial_metric")),
+            _fmt(summary.get("uplink_bytes_per_client_round")))
         log(INFO, "Results in %s", self.path)
         return summary
 

@@ -51,6 +51,7 @@ def simulate(cfg, *, total_cpus: int | None = None, clients: ClientApp | None = 
         result.update(run_server(grid, cfg))
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's FutureWarning on every start
     run_simulation(
         server_app=server_app,
         client_app=clients or client_app,
