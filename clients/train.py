@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from logging import INFO
 
 import numpy as np
 import torch
+from flwr.common.logger import log
 
 AUTOCAST_ATTR = "_postcard_autocast_dtype"  # set by place_model on CUDA models
 
@@ -203,6 +205,8 @@ def local_train(
     start = time.perf_counter()
     model.eval()
     steps = int(train_cfg.local_steps) if steps is None else int(steps)
+    every = float(train_cfg.get("progress_seconds", 30) or 0)  # a progress line at most this often; 0 = none
+    last_report = start
     with grad_checkpointing(model, bool(train_cfg.get("grad_checkpointing", False))):
         for batch in task.train_batches(steps, int(train_cfg.batch_size), rng):
             with autocast(model):  # forward only; backward runs outside autocast, as PyTorch recommends
@@ -224,6 +228,11 @@ def local_train(
             optimizer.step()
             if hooks is not None:
                 hooks.after_step()
+            now = time.perf_counter()
+            if every and now - last_report >= every and len(losses) < steps:
+                log(INFO, "local training: step %d/%d, loss %.4f, %.2f s/step", len(losses), steps, losses[-1],
+                    (now - start) / len(losses))
+                last_report = now
     optimizer.zero_grad(set_to_none=True)
     metrics = {
         "loss": float(np.mean(losses)),

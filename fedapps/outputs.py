@@ -161,27 +161,21 @@ def summarize(cfg, history: list[dict]) -> dict:
 
 
 def plot_run(history: list[dict], metric: str, folder: Path) -> None:
-    """metric vs round and metric vs cumulative uplink bytes (all clients)."""
+    """metric vs round and metric vs cumulative uplink bytes per client (as comparison.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rounds, values, cumulative = [], [], []
-    total = 0
-    for record in history:
-        total += sum(c.get("uplink_payload_bytes", 0) for c in record["clients"])
-        if record["eval"].get(metric) is not None:
-            rounds.append(record["round"])
-            values.append(record["eval"][metric])
-            cumulative.append(total)
-    if not values:
+    curve = bytes_curve(history, metric)
+    if not curve:
         return
+    rounds, values, cumulative = zip(*curve)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].plot(rounds, values, marker="o")
     axes[0].set(xlabel="round", ylabel=metric, title=f"{metric} vs round")
     axes[1].plot(cumulative, values, marker="o")
-    axes[1].set(xlabel="cumulative uplink bytes (all clients)", ylabel=metric, title=f"{metric} vs bytes sent")
+    axes[1].set(xlabel="cumulative uplink bytes per client", ylabel=metric, title=f"{metric} vs bytes sent")
     axes[1].set_xscale("symlog")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -289,15 +283,21 @@ def mean_train_loss(record: dict) -> float:
     return sum(losses) / len(losses)
 
 
-def cumulative_curve(run_dir: str | Path, metric: str) -> list[tuple[int, float, float]]:
-    """(round, metric, cumulative uplink payload bytes per client) for every evaluated round."""
+def bytes_curve(history: list[dict], metric: str) -> list[tuple[int, float, float]]:
+    """(round, metric, cumulative uplink payload bytes per client) for every evaluated round:
+    the bytes one client has sent so far (the mean over the round's senders, summed)."""
     points, total = [], 0.0
-    for record in read_metrics(run_dir):
+    for record in history:
         ups = [c["uplink_payload_bytes"] for c in record["clients"] if "uplink_payload_bytes" in c]
         total += sum(ups) / len(ups) if ups else 0.0
         if record["eval"].get(metric) is not None:
             points.append((record["round"], record["eval"][metric], total))
     return points
+
+
+def cumulative_curve(run_dir: str | Path, metric: str) -> list[tuple[int, float, float]]:
+    """:func:`bytes_curve` of a run folder's ``metrics.jsonl``."""
+    return bytes_curve(read_metrics(run_dir), metric)
 
 
 def comparison_curves(summaries: list[dict], metric: str) -> dict[str, list]:

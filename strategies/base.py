@@ -553,9 +553,10 @@ def check_metrics(content: RecordDict) -> dict:
 def aggregate_metrics(metrics: list[Mapping], weights: list[int]) -> MetricRecord:
     """Per key, the weighted mean over the replies that report it (a missing key is not a 0);
     a key reported as a number by some and a list by others, or as lists of different
-    lengths, is left out. ``num-examples`` is not aggregated (it is the weight)."""
+    lengths, is left out. ``num-examples`` is not aggregated (it is the weight), nor
+    ``partition-id`` (a label: its mean means nothing)."""
     out = MetricRecord()
-    keys = sorted({k for m in metrics for k in m} - {NUM_EXAMPLES})
+    keys = sorted({k for m in metrics for k in m} - {NUM_EXAMPLES, "partition-id"})
     for key in keys:
         pairs = [(m[key], float(w)) for m, w in zip(metrics, weights) if key in m]
         total = sum(w for _, w in pairs)

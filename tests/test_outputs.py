@@ -43,3 +43,33 @@ def test_an_algorithm_sweep_keys_by_algorithm_and_repeats_are_numbered(tmp_path)
     assert sorted(comparison_curves(runs, "perplexity")) == ["fedavg-lora", "fedprox"]
     repeats = [_run(tmp_path, "c", 1e-3), _run(tmp_path, "d", 1e-3)]
     assert sorted(comparison_curves(repeats, "perplexity")) == ["fedavg-lora #1", "fedavg-lora #2"]
+
+
+def test_local_training_reports_progress_on_long_work_only():
+    import logging
+
+    from clients.tasks import make_task
+    from clients.train import local_train
+    from fedapps.baselines import prepare
+    from fedapps.config import compose
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        for every, expected in ((1e-6, 3), (0, 0), (3600, 0)):  # 4 steps: progress after steps 1..3, never, never
+            cfg = compose(f"train.local_steps=4 train.progress_seconds={every}", preset="test")
+            model, tokenizer, _ = prepare(cfg)
+            records.clear()
+            local_train(model, make_task(cfg, 0, 2, tokenizer), cfg.train, seed=1)
+            lines = [r for r in records if r.startswith("local training:")]
+            assert len(lines) == expected, lines
+            if expected:
+                assert lines[0].startswith("local training: step 1/4, loss ") and lines[0].endswith(" s/step")
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
