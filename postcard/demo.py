@@ -115,9 +115,10 @@ def flwr_run(args, method: str, folder: Path) -> dict:
     proc = subprocess.run(command, cwd=ROOT)
     seconds = time.time() - start
     summary_path = folder / method / "summary.json"
-    if proc.returncode != 0 or not summary_path.is_file():
-        raise SystemExit(f"demo: `flwr run` of {method} failed (exit {proc.returncode}); see its log above")
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if proc.returncode != 0 or summary.get("status") != "completed":  # `flwr run --stream` exits 0 either way
+        reason = summary.get("error") or f"exit {proc.returncode}"
+        raise SystemExit(f"demo: `flwr run` of {method} failed ({reason}); see its log above")
     summary["wall_seconds"] = round(seconds, 1)  # the whole `flwr run`, as the user waited for it
     return summary
 
