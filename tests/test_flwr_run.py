@@ -56,3 +56,31 @@ def test_flwr_run_refuses_an_unknown_algorithm_with_the_valid_choices(tmp_path):
     proc = flwr_run(tmp_path, "algorithm='fedsgd'", timeout=300)
     log = proc.stdout + proc.stderr
     assert "unknown algorithm 'fedsgd'; valid choices:" in log, log[-3000:]
+
+
+def test_app_run_exits_with_how_the_run_ended(tmp_path):
+    """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 1 (0 when it completes)."""
+    flwr_home = tmp_path / "flwr-home"
+    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    federation = ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
+    out = tmp_path / "runs"
+
+    def app_run(run_config: str):
+        return subprocess.run([sys.executable, "-m", "postcard.app_run", str(ROOT), *federation,
+                               "--run-config", run_config], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    try:
+        failed = app_run(f"preset='test' overrides='rounds=1 train.lrr=1' output-dir='{out}'")
+        assert failed.returncode == 1, (failed.stdout + failed.stderr)[-3000:]
+        assert "finished:failed" in failed.stderr
+        assert "unknown config key 'train.lrr'; did you mean 'train.lr'" in failed.stdout + failed.stderr
+        assert not out.exists()  # refused before any run folder
+        done = app_run(f"preset='test' overrides='rounds=1 train.local_steps=2' output-dir='{out}'")
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert "finished:completed" in done.stdout
+        (run,) = out.iterdir()
+        assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    finally:
+        stop_superlinks(flwr_home)
