@@ -254,47 +254,36 @@ def _key(rng: random.Random) -> str:
 # --------------------------------------------------------------------------- templates
 # Each returns (needles in depth order, question, answer, distractors): the distractors
 # are distinct from the answer and from each other, hard negatives first.
-def _passkey(rng: random.Random):
-    names = _distinct(rng, _person, 4)
-    keys = _distinct(rng, _digits, 4)
-    needles = [f"Officer {n}'s security passkey is {k}." for n, k in zip(names, keys)]
+def _lookup(rng: random.Random, subject, value, needle, question, near, show=str):
+    """Four subjects each with a value; ask for one's. Hard negatives: the other three values
+    and one value ``near`` the answer. ``show`` writes a value as text."""
+    subjects = _distinct(rng, subject, 4)
+    values = _distinct(rng, value, 4)
+    needles = [needle(s, show(v)) for s, v in zip(subjects, values)]
     target = rng.randrange(4)
-    others = [k for i, k in enumerate(keys) if i != target]
-    near = _distinct(rng, lambda r: _near_digits(r, keys[target]), 1, avoid=keys)
-    return needles, f"What is Officer {names[target]}'s security passkey?", keys[target], rng.sample(others, 2) + near
+    others = [show(v) for i, v in enumerate(values) if i != target]
+    close = _distinct(rng, lambda r: near(r, values[target]), 1, avoid=values)
+    return needles, question(subjects[target]), show(values[target]), rng.sample(others, 2) + [show(close[0])]
+
+
+def _passkey(rng: random.Random):
+    return _lookup(rng, _person, _digits, lambda n, k: f"Officer {n}'s security passkey is {k}.",
+                   lambda n: f"What is Officer {n}'s security passkey?", _near_digits)
 
 
 def _uuid_code(rng: random.Random):
-    devices = _distinct(rng, _device, 4)
-    codes = _distinct(rng, _code, 4)
-    needles = [f"Operational access code for device {d} is {c}." for d, c in zip(devices, codes)]
-    target = rng.randrange(4)
-    others = [c for i, c in enumerate(codes) if i != target]
-    near = _distinct(rng, lambda r: _near_code(r, codes[target]), 1, avoid=codes)
-    question = f"What is the operational access code for device {devices[target]}?"
-    return needles, question, codes[target], rng.sample(others, 2) + near
+    return _lookup(rng, _device, _code, lambda d, c: f"Operational access code for device {d} is {c}.",
+                   lambda d: f"What is the operational access code for device {d}?", _near_code)
 
 
 def _name_date(rng: random.Random):
-    names = _distinct(rng, _person, 4)
-    dates = _distinct(rng, _date, 4)
-    needles = [f"{n} was born on {_format_date(d)}." for n, d in zip(names, dates)]
-    target = rng.randrange(4)
-    others = [_format_date(d) for i, d in enumerate(dates) if i != target]
-    near = _distinct(rng, lambda r: _near_date(r, dates[target]), 1, avoid=dates)
-    question = f"On what date was {names[target]} born?"
-    return needles, question, _format_date(dates[target]), rng.sample(others, 2) + [_format_date(near[0])]
+    return _lookup(rng, _person, _date, lambda n, d: f"{n} was born on {d}.",
+                   lambda n: f"On what date was {n} born?", _near_date, show=_format_date)
 
 
 def _phrase_code(rng: random.Random):
-    places = _distinct(rng, lambda r: r.choice(PLACES), 4)
-    phrases = _distinct(rng, _phrase, 4)
-    needles = [f'The passphrase for the {p} archive is "{" ".join(w)}".' for p, w in zip(places, phrases)]
-    target = rng.randrange(4)
-    others = [" ".join(w) for i, w in enumerate(phrases) if i != target]
-    near = _distinct(rng, lambda r: _near_phrase(r, phrases[target]), 1, avoid=phrases)
-    question = f"What is the passphrase for the {places[target]} archive?"
-    return needles, question, " ".join(phrases[target]), rng.sample(others, 2) + [" ".join(near[0])]
+    return _lookup(rng, lambda r: r.choice(PLACES), _phrase, lambda p, w: f'The passphrase for the {p} archive is "{w}".',
+                   lambda p: f"What is the passphrase for the {p} archive?", _near_phrase, show=" ".join)
 
 
 def _counter_state(rng: random.Random):
