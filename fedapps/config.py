@@ -194,6 +194,8 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
                           f"use fedavg-full for '{cfg.model.name}'")
     _check_uplink(cfg.algorithm)
+    _check_partition(cfg.partition)
+    _check_model_path(cfg.model)
     _check_robust(cfg)
     _check_simulation(cfg.get("simulation") or {})
     for key in ("train.bf16", "train.grad_checkpointing"):
@@ -202,6 +204,35 @@ def finalize(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{key} must be true or false, got {value!r}")
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_partition(partition) -> None:
+    """Dirichlet's concentration and minimum size, before any client loads data."""
+    if partition.name != "dirichlet":
+        return
+    alpha, size = partition.get("alpha"), partition.get("min_partition_size", 10)
+    try:
+        ok = float(alpha) > 0 and not isinstance(alpha, bool)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"partition.alpha must be a number > 0 (smaller = more skewed), got {alpha!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(f"partition.min_partition_size must be an integer >= 0, got {size!r}")
+
+
+def _check_model_path(model) -> None:
+    """A causal LM's ``model.path`` that names a local folder must be a checkpoint folder (a hub id is left to
+    the online user); checked here, not on every client after the run started."""
+    path = model.get("path")
+    if not path or model.get("kind") != "causal_lm":  # a vision model's path is a .pt file, checked on load
+        return
+    text = str(path)
+    local = text.startswith(("/", ".", "~")) or Path(text).expanduser().exists()
+    if local and not (Path(text).expanduser() / "config.json").is_file():
+        raise ConfigError(f"model.path '{text}' is not a Hugging Face checkpoint folder (no config.json there); "
+                          "give a folder holding config.json and the weights, or drop model.path for the embedded "
+                          "SmolLM2-135M")
 
 
 def _check_robust(cfg: DictConfig) -> None:

@@ -68,6 +68,8 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(task="cifar10", algorithm="fednl"), "runs on causal_lm models"),
         (dict(task="cifar10", algorithm="smartfed"), "runs on causal_lm models"),
         (dict(task="mmlu", overrides="model=tiny-cnn algorithm=fedavg-full"), "needs a causal LM"),
+        (dict(overrides="partition=dirichlet partition.alpha=-1"), "partition.alpha must be a number > 0"),
+        (dict(overrides="model.path=/no/such/checkpoint"), "model.path '/no/such/checkpoint' is not a Hugging Face"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
