@@ -80,6 +80,9 @@ def load_causal_lm(model_cfg, seed: int = 0):
         model = AutoModelForCausalLM.from_config(config)
         torch.random.set_rng_state(generator_state)
     else:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a "Loading weights" bar per client process, for a 1 s load
         path = checkpoint_path(model_cfg)
         try:  # ~1 s from the converted safetensors checkpoint
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
