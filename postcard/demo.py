@@ -1,6 +1,6 @@
 """``make demo``: the whole mission in one command — four methods, one task, one table.
 
-    python -m postcard.demo                      # SmolLM2-135M, Shakespeare, 4 clients (~15 min, 2 cores)
+    python -m postcard.demo                      # SmolLM2-135M, Shakespeare, 4 clients (10-18 min, 2 cores)
     python -m postcard.demo --methods fedavg-lora flite --overrides "rounds=1"
     python -m postcard.demo --model tiny-llama   # a random-init Llama: a wiring check in ~3 min
 
