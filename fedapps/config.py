@@ -194,6 +194,8 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
                           f"use fedavg-full for '{cfg.model.name}'")
     _check_uplink(cfg.algorithm)
+    if cfg.get("tracking") not in (None, "tensorboard"):
+        raise ConfigError(f"tracking must be null or tensorboard, got {cfg.get('tracking')!r}")
     _check_partition(cfg.partition)
     _check_model_path(cfg.model)
     _check_robust(cfg)

@@ -69,6 +69,23 @@ class RunDir:
         with open(self.path / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
         self._print_row(record)
+        if self.cfg.get("tracking") == "tensorboard":
+            self._track(record)
+
+    def _track(self, record: dict) -> None:
+        """The round's scalars (:func:`round_scalars`) as TensorBoard events in ``<run>/tensorboard``."""
+        if getattr(self, "_writer", None) is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.path / "tensorboard"))
+        for tag, value in round_scalars(record).items():
+            self._writer.add_scalar(tag, value, global_step=int(record["round"]))
+        self._writer.flush()
+
+    def _close_tracking(self) -> None:
+        if getattr(self, "_writer", None) is not None:
+            self._writer.close()
+            self._writer = None
 
     def _print_row(self, record: dict) -> None:
         clients = record["clients"]
@@ -92,6 +109,7 @@ class RunDir:
         """Mark the folder as a failed run: ``summary.json`` with ``status: failed``, the error and
         what was recorded up to then (rounds in ``metrics.jsonl`` and ``checkpoint.npz`` stay, so
         ``resume`` can continue it)."""
+        self._close_tracking()
         reason = f"{type(err).__name__}: {err}".strip() if str(err) else type(err).__name__
         summary = {"status": "failed", "error": reason,
                    "last_round": max((r["round"] for r in history), default=None),
@@ -100,6 +118,7 @@ class RunDir:
         log(INFO, "Run failed (%s); marked in %s", reason, self.path / "summary.json")
 
     def finish(self, history: list[dict], extra: dict | None = None) -> dict:
+        self._close_tracking()
         summary = {"status": "completed", **summarize(self.cfg, history)}
         summary.update(extra or {})
         summary["run_dir"] = str(self.path)
@@ -113,6 +132,24 @@ class RunDir:
             _fmt(summary.get("uplink_bytes_per_client_round")))
         log(INFO, "Results in %s", self.path)
         return summary
+
+
+def round_scalars(record: dict) -> dict[str, float]:
+    """A round record of ``metrics.jsonl`` as named scalars (for experiment tracking): every numeric
+    evaluation metric, the clients' mean training loss, the mean uplink and downlink payload bytes
+    per client, and the round's seconds and refused / missing / bounded counts."""
+    out = {f"eval/{k}": float(v) for k, v in record.get("eval", {}).items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    clients = record.get("clients", [])
+    for tag, key in (("train/loss", "train_loss"), ("bytes/uplink_per_client", "uplink_payload_bytes"),
+                     ("bytes/downlink_per_client", "train_downlink_payload_bytes")):
+        values = [c[key] for c in clients if c.get(key) is not None]
+        if values:
+            out[tag] = float(np.mean(values))
+    out["round/seconds"] = float(record.get("seconds", 0.0))
+    for entry in ("refused", "missing", "bounded"):
+        out[f"round/{entry}"] = float(len(record.get(entry, [])))
+    return out
 
 
 def count_by_kind(history: list[dict], entry: str) -> dict[str, int]:

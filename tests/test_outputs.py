@@ -73,3 +73,42 @@ def test_local_training_reports_progress_on_long_work_only():
                 assert lines[0].startswith("local training: step 1/4, loss ") and lines[0].endswith(" s/step")
     finally:
         logging.getLogger("flwr").removeHandler(handler)
+
+
+def test_tensorboard_tracking_holds_the_same_numbers_as_metrics_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedapps.config import compose
+    from fedapps.outputs import RunDir, read_metrics, round_scalars
+
+    cfg = compose([f"output_dir={tmp_path}", "run_name=tracked", "tracking=tensorboard"], preset="test")
+    out = RunDir(cfg)
+    records = [
+        {"round": 0, "eval": {"perplexity": 70.0, "accuracy": 0.1}, "clients": [], "seconds": 2.0, "refused": [],
+         "missing": [], "bounded": []},
+        {"round": 1, "eval": {"perplexity": 55.5}, "seconds": 3.5, "missing": [], "bounded": [{"node_id": 2}],
+         "refused": [{"node_id": 3}], "clients": [
+             {"node_id": 1, "train_loss": 4.0, "uplink_payload_bytes": 100, "train_downlink_payload_bytes": 400},
+             {"node_id": 2, "train_loss": 3.0, "uplink_payload_bytes": 300, "train_downlink_payload_bytes": 400}]},
+    ]
+    for record in records:
+        out.write_round(record)
+    out.finish(read_metrics(out.path))
+    events = EventAccumulator(str(out.path / "tensorboard"))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    for record in read_metrics(out.path):
+        for tag, value in round_scalars(record).items():
+            assert abs(scalars[tag][record["round"]] - value) < 1e-4 * max(1.0, abs(value)), tag
+    assert scalars["train/loss"] == {1: 3.5} and scalars["bytes/uplink_per_client"] == {1: 200.0}
+    assert scalars["eval/perplexity"] == {0: 70.0, 1: 55.5} and scalars["round/refused"][1] == 1.0
+
+
+def test_tracking_is_off_by_default_and_checked():
+    import pytest
+
+    from fedapps.config import ConfigError, compose
+
+    assert compose(preset="test").tracking is None
+    with pytest.raises(ConfigError, match="tracking must be null or tensorboard"):
+        compose("tracking=wandb", preset="test")
