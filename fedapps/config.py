@@ -151,7 +151,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key, kind, low in _NUMERIC:
         value = OmegaConf.select(cfg, key)
         if value is None and key == "num_clients":
-            continue  # resolved at run start: the number of connected SuperNodes
+            continue  # resolved at run start: the task's default_clients (fedapps.runner.client_count)
         try:
             number = kind(value)
             if isinstance(value, bool) or (kind is int and float(value) != number):

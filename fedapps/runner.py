@@ -44,10 +44,16 @@ class NoReplies(RuntimeError):
     """No node answered a round's messages: the run stops (and can be resumed)."""
 
 
-def wait_for_nodes(grid: Grid, wanted: int | None, seconds: float) -> int:
-    """Wait until ``wanted`` nodes (or, if None, at least one and a stable count) connect."""
+def wait_for_nodes(grid: Grid, wanted: int | None, seconds: float, settle: float | None = None) -> int:
+    """Wait until ``wanted`` nodes (or, if None, at least one and a stable count) connect.
+
+    With ``settle``, a count that has not changed for ``settle`` seconds while still below
+    ``wanted`` fails at once (a simulation registers all its SuperNodes at the start, so waiting
+    longer cannot help) rather than after ``seconds``.
+    """
     deadline = time.time() + float(seconds)
     last, stable_since = -1, time.time()
+    hint = "in simulation pass --federation-config \"num-supernodes=N\"; in deployment start more SuperNodes"
     while True:
         count = len(list(grid.get_node_ids()))
         if count != last:
@@ -56,12 +62,21 @@ def wait_for_nodes(grid: Grid, wanted: int | None, seconds: float) -> int:
             return count
         if wanted is None and count > 0 and time.time() - stable_since >= 2.0:
             return count
+        if wanted is not None and count > 0 and settle is not None and time.time() - stable_since >= settle:
+            raise ServerSetupError(f"{count} SuperNode(s) connected and no more for {settle:.0f} s, but the run has "
+                                   f"num_clients={wanted}: {hint}, or set num_clients={count} "
+                                   "(overrides='num_clients=N')")
         if time.time() > deadline:
             if wanted is None and count > 0:
                 return count
-            hint = "in simulation pass --federation-config \"num-supernodes=N\"; in deployment start more SuperNodes"
             raise ServerSetupError(f"{count} SuperNode(s) connected after {seconds:.0f} s, {wanted or 1} needed ({hint})")
         time.sleep(0.5)
+
+
+def client_count(cfg) -> int:
+    """The run's clients: ``num_clients``, else the task's ``default_clients`` — the same number
+    whether the run starts with ``flwr run`` or ``postcard``."""
+    return int(cfg.num_clients or cfg.task.default_clients)
 
 
 def collect_replies(
@@ -164,10 +179,15 @@ class _Rounds:
 def run_server(grid: Grid, cfg) -> dict:
     method = registry.get(cfg.algorithm.name)
     resume_dir, must_exist = ckpt.resume_folder(cfg)  # a bad resume request fails before any waiting
-    wanted = int(cfg.num_clients) if cfg.num_clients else None
-    count = wait_for_nodes(grid, wanted, float(cfg.strategy.node_wait))
+    wanted = client_count(cfg)
+    settle = cfg.strategy.get("node_settle")
+    count = wait_for_nodes(grid, wanted, float(cfg.strategy.node_wait), None if settle is None else float(settle))
+    if count > wanted:  # Flower would sample them all: each would train a partition of another split
+        raise ServerSetupError(f"{count} SuperNodes are connected but the run has num_clients={wanted}: start "
+                               f"{wanted} (--federation-config \"num-supernodes={wanted}\" in simulation) or set "
+                               f"num_clients={count} (overrides='num_clients={count}')")
     OmegaConf.set_struct(cfg, False)
-    cfg.num_clients = wanted or count  # resolved before the config is written and sent
+    cfg.num_clients = wanted  # resolved before the config is written and sent
     OmegaConf.set_struct(cfg, True)
 
     # the method's server first: a run that cannot start (no SmartFed pool, a bad budget) leaves no folder

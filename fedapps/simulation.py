@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedapps.client_app import app as client_app
-from fedapps.runner import run_server
+from fedapps.runner import client_count, run_server
 
 
 def client_resources(cfg, num_clients: int) -> dict:
@@ -41,7 +41,7 @@ def simulate(cfg, *, total_cpus: int | None = None, clients: ClientApp | None = 
     misbehaves, to test the server against hostile clients)."""
     from flwr.simulation import run_simulation
 
-    num_clients = int(cfg.num_clients or cfg.task.default_clients)
+    num_clients = client_count(cfg)
     resources = client_resources(cfg, num_clients)
     result: dict = {}
     server_app = ServerApp()

@@ -270,3 +270,22 @@ def test_a_failed_run_is_marked_failed_and_one_that_cannot_start_leaves_no_folde
     with pytest.raises(SmartFedError, match="no knowledge pool"):
         run_server(FakeGrid(None), nowhere)
     assert not (tmp_path / "smartfed").exists()
+
+
+def test_one_client_count_too_many_or_too_few_supernodes_are_refused_at_once(tmp_path):
+    """num_clients (else the task's default_clients) is the run's client count under flwr run and
+    postcard alike; a different number of SuperNodes is refused with the fix, and no folder made."""
+    from fedapps.runner import ServerSetupError, client_count, run_server
+
+    assert client_count(compose(task="mmlu")) == 5 and client_count(compose(preset="test")) == 2
+    grid = FakeGrid(None)  # three SuperNodes
+    too_many = compose([f"output_dir={tmp_path}", "num_clients=2"], preset="test")
+    with pytest.raises(ServerSetupError, match="3 SuperNodes are connected but the run has num_clients=2"):
+        run_server(grid, too_many)
+    start = time.time()
+    too_few = compose([f"output_dir={tmp_path}", "num_clients=5", "strategy.node_settle=1"], preset="test")
+    with pytest.raises(ServerSetupError, match=r"3 SuperNode\(s\) connected and no more for 1 s, but the run has "
+                                               r"num_clients=5: .*num-supernodes=N.*num_clients=3"):
+        run_server(grid, too_few)
+    assert time.time() - start < 10  # not strategy.node_wait (120 s)
+    assert not any(tmp_path.iterdir())

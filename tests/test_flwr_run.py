@@ -33,7 +33,7 @@ def flwr_run(tmp_path, run_config: str, supernodes: int = 2, timeout: int = 900)
 
 def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
     out = tmp_path / "runs"
-    overrides = ("rounds=1 train.local_steps=2 train.batch_size=2 train.seq_len=64 "
+    overrides = ("num_clients=2 rounds=1 train.local_steps=2 train.batch_size=2 train.seq_len=64 "
                  "eval.max_batches=1 eval.batch_size=4 algorithm.lora.target_modules=[q_proj,v_proj]")
     proc = flwr_run(tmp_path, f"algorithm='fedavg-lora' task='shakespeare' overrides='{overrides}' output-dir='{out}'")
     log = proc.stdout + proc.stderr
@@ -58,8 +58,9 @@ def test_flwr_run_refuses_an_unknown_algorithm_with_the_valid_choices(tmp_path):
     assert "unknown algorithm 'fedsgd'; valid choices:" in log, log[-3000:]
 
 
-def test_app_run_exits_with_how_the_run_ended(tmp_path):
-    """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 1 (0 when it completes)."""
+def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experiment(tmp_path):
+    """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 1 (0 when it completes).
+    The completed configuration, run again by `postcard`'s simulation, gives the same metrics."""
     flwr_home = tmp_path / "flwr-home"
     env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
@@ -81,6 +82,15 @@ def test_app_run_exits_with_how_the_run_ended(tmp_path):
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert "finished:completed" in done.stdout
         (run,) = out.iterdir()
-        assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "completed"
     finally:
         stop_superlinks(flwr_home)
+    # the same configuration through `postcard`'s in-process simulation: the same experiment
+    from fedapps.config import compose
+    from fedapps.simulation import simulate
+
+    same = simulate(compose(["rounds=1", "train.local_steps=2", f"output_dir={tmp_path / 'sim'}"], preset="test"))
+    assert same["num_clients"] == summary["num_clients"] == 2
+    assert same["metric_by_round"]["0"] == pytest.approx(summary["metric_by_round"]["0"], rel=1e-9)
+    assert same["metric_by_round"]["1"] == pytest.approx(summary["metric_by_round"]["1"], rel=1e-6)
