@@ -70,6 +70,19 @@ STRATEGIES = {"fedavg-lora": FedAvgLoRA, "fedprox": FedProx, "ffa-lora": FFALoRA
               "topk-ef": FedAvgFull, "powersgd": FedAvgFull}
 
 
+def save_adapter(model, cfg, global_state: dict[str, np.ndarray], run_dir) -> dict:
+    """The global LoRA adapter as a PEFT folder ``run_dir/adapter``
+    (``PeftModel.from_pretrained(base, run_dir / "adapter")``). Its base model is named portably:
+    ``model.path`` as the user gave it, else the embedded checkpoint's hub id (``model.hub_id``),
+    never this machine's cache path."""
+    load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = cfg.model.get("path") or cfg.model.get("hub_id")
+    target = run_dir / "adapter"
+    model.save_pretrained(str(target))
+    return {"final_state": str(target)}
+
+
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     model, _, extra = prepare(cfg)
     if cfg.algorithm.trainable == "lora":
@@ -87,13 +100,10 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     strategy = STRATEGIES[name](**kwargs)
 
     def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
-        load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
         if cfg.algorithm.trainable == "lora":
-            target = run_dir / "adapter"
-            model.save_pretrained(str(target))  # a PEFT adapter: PeftModel.from_pretrained(base, target)
-        else:
-            target = run_dir / "final_state.safetensors"
-            save_file({k: np.ascontiguousarray(v) for k, v in global_state.items()}, str(target))
+            return save_adapter(model, cfg, global_state, run_dir)
+        target = run_dir / "final_state.safetensors"
+        save_file({k: np.ascontiguousarray(v) for k, v in global_state.items()}, str(target))
         return {"final_state": str(target)}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
@@ -113,10 +123,7 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
     )
 
     def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
-        load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
-        target = run_dir / "adapter"  # the global adapter; personalised ones stay on the clients
-        model.save_pretrained(str(target))
-        return {"final_state": str(target)}
+        return save_adapter(model, cfg, global_state, run_dir)  # the global one; personalised ones stay on clients
 
     return ServerPlan(strategy=strategy, save_final=save_final)
 

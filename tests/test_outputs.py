@@ -112,3 +112,16 @@ def test_tracking_is_off_by_default_and_checked():
     assert compose(preset="test").tracking is None
     with pytest.raises(ConfigError, match="tracking must be null or tensorboard"):
         compose("tracking=wandb", preset="test")
+
+
+def test_a_saved_adapter_names_its_base_model_portably(tmp_path):
+    """The embedded SmolLM2's adapter names the hub id of those weights, not this machine's cache path."""
+    from fedapps import baselines
+    from fedapps.config import compose
+
+    cfg = compose(["num_clients=2", "algorithm.lora.target_modules=[q_proj]"], model="smollm2")
+    plan = baselines.plan_server(cfg, on_round_end=None, config_yaml="")
+    plan.save_final(plan.strategy.global_state, tmp_path)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert saved["r"] == cfg.algorithm.lora.r and saved["target_modules"] == ["q_proj"]
