@@ -2,13 +2,15 @@
 
     postcard algorithm=fedprox task=mmlu rounds=2            # one run
     postcard -m algorithm=fedavg-lora,fedprox,ffa-lora        # a sweep, then one table
-    postcard --cfg job                                        # print the composed config
+    postcard -m train.lr=1e-4,1e-3 preset=test                # a sweep over any key: a column per key
+    postcard --cfg job                                        # check and print the composed config
     postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
 
 Each run is an in-process Flower simulation (Ray) with ``num_clients`` SuperNodes (the
 task's default when unset) and writes its usual run folder. After a sweep, the folder of
-the sweep gets ``comparison.md``, ``comparison.csv`` (one row per configuration) and
-``comparison.png`` (metric against cumulative uplink bytes per client).
+the sweep gets ``comparison.md``, ``comparison.csv`` (one row per configuration, a column
+per swept key) and ``comparison.png`` (metric against cumulative uplink bytes per client,
+a curve per run). A bad key or choice stops it at once: one line, exit status 2.
 ``flwr run .`` runs the same configurations through a SuperLink.
 """
 
@@ -22,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fedapps.config import CONF_DIR, ConfigError, finalize
+from fedapps.config import CONF_DIR, GROUPS, ConfigError, choices, finalize
 from fedapps.outputs import write_comparison
 
 class ComparisonTable(Callback):
@@ -64,8 +66,7 @@ def main() -> None:
         raise SystemExit(pool_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
-        print("Groups:", ", ".join(f"{g} ({', '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))})"
-                                   for g in ("algorithm", "task", "model", "partition", "preset")))
+        print("Groups:", ", ".join(f"{g} ({', '.join(choices(g))})" for g in GROUPS))
         print("Hydra's own options: postcard --hydra-help")
         return
     # keys and choices are checked before Hydra composes (its own advice for a misspelled key
