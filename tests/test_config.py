@@ -129,3 +129,6 @@ def test_postcard_checks_a_config_before_hydra_and_exits_2(tmp_path):
     assert postcard("-m", "algorithm=fedavg-lora,fedprx").returncode == 2  # a sweep's choices, before any run
     good = postcard("--cfg", "job", "train.lr=1e-4")
     assert good.returncode == 0 and "lr: 0.0001" in good.stdout
+    helped = postcard("--help")
+    assert helped.returncode == 0
+    assert all(f"{group} (" in helped.stdout for group in GROUPS) and "robust (default, krum" in helped.stdout
