@@ -1,8 +1,16 @@
 """FLITE (fp32 and int4 latents) against full-weight and compressed-update baselines on CIFAR-10.
 
-    .venv/bin/python bench/flite.py                            # ~45-60 min on 2 cores
-    .venv/bin/python bench/flite.py --rounds 2 --steps 3 --partitions iid \\
-        --methods flite-int4 fedavg-full --out /tmp/flite-smoke   # a smoke test in a few minutes
+    .venv/bin/python bench/flite.py                            # far regime (ImageNet base), ~33 min on 2 cores
+    .venv/bin/python bench/flite.py --base public --seeds 3 --out docs/bench/flite-near   # near regime
+    .venv/bin/python bench/flite.py --quick --out /tmp/flite-quick   # a smoke test in a few minutes
+
+Two regimes (``--base``): ``model`` starts every method from the ImageNet MobileNetV2 (the
+*far* regime: the base never saw the task); ``public`` starts every method from θ_pre, the
+same backbone trained centrally on the task's public split (20% of every class, disjoint
+from the clients' data) under the frozen orthogonal head (``clients.pretrain``, built
+once and cached; the *near* regime FLITE's paper assumes). ``--task`` picks CIFAR-10 or
+Fashion-MNIST. ``--seeds N`` repeats FLITE-int4 and fedavg-full with seeds 0..N-1 (mean ±
+std and a 95% t-interval of the gap); the other methods run with seed 0.
 
 Every method is a Flower simulation of the same harness (``fedapps.simulation.simulate``):
 the embedded ImageNet MobileNetV2 on the CIFAR-10 images of the bigbench package (64 px),
@@ -23,9 +31,10 @@ powersgd           full update, PowerSGD rank 4 per weight matrix, error feedbac
 =================  =========================================================================
 
 Reported (``OUT/flite.md``, ``flite.json``, ``flite.png``, with the command that made them):
-final accuracy per method and partition, uplink payload bytes per client per round, the
-ratio of fedavg-full's bytes to the method's, and a plot of accuracy against cumulative
-uplink bytes per client (the Pareto view), one panel per partition. Targets from the
+final accuracy per method and partition (mean ± std over seeds), each method's gain over its
+starting point (round 0: θ_pre in the near regime), uplink payload bytes per client per
+round, the ratio of fedavg-full's bytes to the method's, and a plot of accuracy against
+cumulative uplink bytes per client (the Pareto view; seed 0), one panel per partition. Targets from the
 issue: FLITE-int4 within 1 pp of fedavg-full at >= 10,000x fewer uplink bytes.
 Extra Hydra overrides after ``--`` apply to every run (e.g. ``-- task.image_size=32``).
 """
@@ -54,6 +63,9 @@ METHODS = {
 }
 PARTITIONS = {"dirichlet": ["partition=dirichlet", "partition.alpha=0.1"], "iid": ["partition=iid"]}
 REFERENCE = "fedavg-full"
+REPEATED = ("flite-int4", "fedavg-full")  # the methods --seeds repeats
+TASKS = {"cifar10": "CIFAR-10", "fmnist": "Fashion-MNIST"}
+BASES = {"model": "far regime: ImageNet MobileNetV2", "public": "near regime: θ_pre trained on the public split"}
 
 
 def log(message: str) -> None:
@@ -69,13 +81,17 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="local optimiser steps per client per round")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help=f"seeds 0..N-1 for {' and '.join(REPEATED)} (others: 0)")
+    p.add_argument("--base", choices=list(BASES), default="model", help="; ".join(f"{k}: {v}" for k, v in BASES.items()))
+    p.add_argument("--task", choices=list(TASKS), default="cifar10")
+    p.add_argument("--quick", action="store_true",
+                   help="2 rounds x 3 steps, IID, flite-int4 and fedavg-full only (a few minutes)")
     p.add_argument("--lr", action="append", default=[], metavar="METHOD=VALUE",
                    help="learning rate of one method (repeatable); defaults: "
                         + ", ".join(f"{m}={v:g}" for m, (_, _, v) in METHODS.items()))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "flite", help="report folder")
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-flite",
-                   help="folder of the 14 run folders (default outputs/bench-flite)")
+                   help="folder of the run folders (default outputs/bench-flite)")
     p.add_argument("--render", action="store_true", help="only re-write the report and plot from OUT/flite.json")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
@@ -91,7 +107,10 @@ def parse_args(argv=None):
         if lrs[method] <= 0:
             p.error(f"--lr {item}: the learning rate must be > 0")
     args.lrs = lrs
-    for name in ("rounds", "steps", "batch_size", "clients"):
+    if args.quick:
+        args.rounds, args.steps, args.partitions = 2, 3, ["iid"]
+        args.methods = [m for m in args.methods if m in REPEATED] or list(REPEATED)
+    for name in ("rounds", "steps", "batch_size", "clients", "seeds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.render and REFERENCE not in args.methods:
@@ -99,16 +118,20 @@ def parse_args(argv=None):
     return args
 
 
-def config_for(args, method: str, partition: str):
+def config_for(args, method: str, partition: str, seed: int):
     from fedapps.config import compose
 
     algorithm, overrides, _ = METHODS[method]
     items = [*PARTITIONS[partition], *overrides, f"rounds={args.rounds}", f"num_clients={args.clients}",
-             f"seed={args.seed}", f"train.lr={args.lrs[method]}", f"train.local_steps={args.steps}",
+             f"seed={seed}", f"train.lr={args.lrs[method]}", f"train.local_steps={args.steps}",
              f"train.batch_size={args.batch_size}", "train.threads=1", "eval.max_batches=0",
-             "eval.batch_size=64", f"run_name=flite-bench_{partition}_{method}",
+             "eval.batch_size=64", f"run_name=flite-bench_{args.base}_{args.task}_{partition}_{method}_s{seed}",
              f"output_dir={args.runs}", *args.overrides]
-    return compose(items, task="cifar10", algorithm=algorithm, preset="none")
+    return compose(items, task=args.task, algorithm=algorithm, base=args.base, preset="none")
+
+
+def seeds_of(args, method: str) -> list[int]:
+    return list(range(args.seeds)) if method in REPEATED else [0]
 
 
 def run_all(args) -> dict:
@@ -117,29 +140,59 @@ def run_all(args) -> dict:
 
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "lr"}
     results = {"runs": {}, "settings": settings}
-    total = len(args.partitions) * len(args.methods)
-    done = 0
-    for partition in args.partitions:
-        for method in args.methods:
-            done += 1
-            cfg = config_for(args, method, partition)
-            log(f"[{done}/{total}] {method} on CIFAR-10 {partition} (lr {args.lrs[method]:g})")
-            start = time.time()
-            summary = simulate(cfg)
-            seconds = time.time() - start
-            results["runs"][f"{partition}/{method}"] = {
-                "method": method, "partition": partition, "algorithm": summary["algorithm"],
-                "lr": args.lrs[method], "initial_accuracy": summary["initial_metric"],
-                "final_accuracy": summary["final_metric"],
-                "uplink_bytes_per_client_round": summary["uplink_bytes_per_client_round"],
-                "downlink_bytes_per_client_round": summary["downlink_bytes_per_client_round"],
-                "refused_replies": summary["refused_replies"], "seconds": seconds,
-                "curve": cumulative_curve(summary["run_dir"], "accuracy"), "run_dir": summary["run_dir"],
-            }
-            log(f"    accuracy {summary['initial_metric']:.4f} -> {summary['final_metric']:.4f}, "
-                f"uplink {summary['uplink_bytes_per_client_round']:,.0f} B/client/round, {seconds:.0f} s")
-            (args.out / "flite.json").write_text(json.dumps(results, indent=2) + "\n")  # partial results survive
+    if args.base == "public":  # θ_pre once, before the runs (each would otherwise wait on the first)
+        from clients.pretrain import ensure_base, read_report
+
+        cfg = config_for(args, REFERENCE, args.partitions[0], 0)
+        log(f"θ_pre: {ensure_base(cfg)}")
+        results["base"] = read_report(cfg)
+    jobs = [(p, m, seed) for p in args.partitions for m in args.methods for seed in seeds_of(args, m)]
+    for done, (partition, method, seed) in enumerate(jobs, 1):
+        cfg = config_for(args, method, partition, seed)
+        log(f"[{done}/{len(jobs)}] {method} on {TASKS[args.task]} {partition}, seed {seed} (lr {args.lrs[method]:g})")
+        start = time.time()
+        summary = simulate(cfg)
+        seconds = time.time() - start
+        results["runs"][f"{partition}/{method}/{seed}"] = {
+            "method": method, "partition": partition, "seed": seed, "algorithm": summary["algorithm"],
+            "lr": args.lrs[method], "initial_accuracy": summary["initial_metric"],
+            "final_accuracy": summary["final_metric"],
+            "uplink_bytes_per_client_round": summary["uplink_bytes_per_client_round"],
+            "downlink_bytes_per_client_round": summary["downlink_bytes_per_client_round"],
+            "refused_replies": summary["refused_replies"], "seconds": seconds,
+            "curve": cumulative_curve(summary["run_dir"], "accuracy"), "run_dir": summary["run_dir"],
+        }
+        log(f"    accuracy {summary['initial_metric']:.4f} -> {summary['final_metric']:.4f}, "
+            f"uplink {summary['uplink_bytes_per_client_round']:,.0f} B/client/round, {seconds:.0f} s")
+        (args.out / "flite.json").write_text(json.dumps(results, indent=2) + "\n")  # partial results survive
     return results
+
+
+def grouped(results: dict) -> dict[tuple[str, str], list[dict]]:
+    """(partition, method) -> its runs over seeds (a report of the old one-seed layout reads too)."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for run in results["runs"].values():
+        out.setdefault((run["partition"], run["method"]), []).append(run)
+    return out
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    import statistics
+
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def gap_interval(method_runs: list[dict], ref_runs: list[dict]) -> tuple[float, float, float] | None:
+    """Mean gap (pp) of the method to the reference over paired seeds, and its 95% t-interval."""
+    from scipy import stats
+
+    ref = {r.get("seed", 0): r["final_accuracy"] for r in ref_runs}
+    gaps = [100 * (r["final_accuracy"] - ref[r.get("seed", 0)]) for r in method_runs if r.get("seed", 0) in ref]
+    if len(gaps) < 2:
+        return None
+    mean, std = mean_std(gaps)
+    half = stats.t.ppf(0.975, len(gaps) - 1) * std / len(gaps) ** 0.5
+    return mean, mean - half, mean + half
 
 
 # ---------------------------------------------------------------------------- report
@@ -151,40 +204,57 @@ def fmt_bytes(value: float) -> str:
 
 
 def report(results: dict, command: str, machine: str) -> str:
-    runs = results["runs"]
     s = results["settings"]
+    groups = grouped(results)
+    task, base = TASKS[s.get("task", "cifar10")], s.get("base", "model")
     lines = [
-        "# FLITE vs full-weight and compressed-update baselines (CIFAR-10, MobileNetV2)",
+        f"# FLITE vs full-weight and compressed-update baselines ({task}, MobileNetV2, {BASES[base]})",
         "",
         f"Made by `{command}` on {machine}, {time.strftime('%Y-%m-%d')}.",
-        f"{s['clients']} clients, {s['rounds']} rounds × {s['steps']} local steps of {s['batch_size']} images "
-        f"(64 px), seed {s['seed']}; accuracy over every client's held-out split after the last round.",
+        f"{s['clients']} clients, {s['rounds']} rounds × {s['steps']} local steps of {s['batch_size']} images; "
+        f"{', '.join(REPEATED)} over seeds 0..{s.get('seeds', 1) - 1}, the others seed 0; accuracy over every "
+        "client's held-out split after the last round (mean ± std over seeds).",
         "Uplink = payload bytes per client per round (the arrays' data; Flower's message framing adds ~0.4 kB "
         "per tensor, see `uplink_message_bytes` in each run's summary.json).",
         "",
     ]
+    if results.get("base"):
+        b = results["base"]
+        lines += [f"θ_pre: {b['public_images']} public images ({100 * b['settings']['task']['public_fraction']:.0f}% "
+                  f"of every class, disjoint from the clients'), {b['settings']['base']['steps']} steps; held-out "
+                  f"public accuracy {b['accuracy_before']:.3f} → {b['accuracy_after']:.3f} ({b['seconds']:.0f} s).", ""]
     verdicts = []
     for partition in s["partitions"]:
-        ref = runs.get(f"{partition}/{REFERENCE}")
+        ref = groups.get((partition, REFERENCE))
+        ref_acc = mean_std([r["final_accuracy"] for r in ref])[0] if ref else None
+        ref_bytes = ref[0]["uplink_bytes_per_client_round"] if ref else None
         label = "Dirichlet α=0.1" if partition == "dirichlet" else "IID"
-        lines += [f"## {label}", "", "| method | lr | accuracy (round 0 → final) | uplink B/client/round | "
-                  f"{REFERENCE} bytes ÷ method bytes | Δ accuracy vs {REFERENCE} (pp) | wall |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"## {label}", "", "| method | lr | seeds | accuracy: round 0 → final | gain over round 0 (pp) | "
+                  f"uplink B/client/round | {REFERENCE} bytes ÷ method bytes | Δ vs {REFERENCE} (pp) | wall/run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for method in s["methods"]:
-            run = runs.get(f"{partition}/{method}")
-            if run is None:
+            runs = groups.get((partition, method))
+            if not runs:
                 continue
-            ratio = f"{ref['uplink_bytes_per_client_round'] / run['uplink_bytes_per_client_round']:,.0f}×" if ref else "–"
-            gap = f"{100 * (run['final_accuracy'] - ref['final_accuracy']):+.1f}" if ref else "–"
-            lines.append(f"| {method} | {run['lr']:g} | {run['initial_accuracy']:.3f} → **{run['final_accuracy']:.3f}** "
-                         f"| {run['uplink_bytes_per_client_round']:,.0f} ({fmt_bytes(run['uplink_bytes_per_client_round'])}) "
-                         f"| {ratio} | {gap} | {run['seconds'] / 60:.1f} min |")
+            final, std = mean_std([r["final_accuracy"] for r in runs])
+            initial = mean_std([r["initial_accuracy"] for r in runs])[0]
+            gain = mean_std([100 * (r["final_accuracy"] - r["initial_accuracy"]) for r in runs])[0]
+            sent = runs[0]["uplink_bytes_per_client_round"]
+            ratio = f"{ref_bytes / sent:,.0f}×" if ref else "–"
+            gap = f"{100 * (final - ref_acc):+.1f}" if ref else "–"
+            spread = f" ± {std:.3f}" if len(runs) > 1 else ""
+            lines.append(f"| {method} | {runs[0]['lr']:g} | {len(runs)} | {initial:.3f} → **{final:.3f}**{spread} "
+                         f"| {gain:+.1f} | {sent:,.0f} ({fmt_bytes(sent)}) | {ratio} | {gap} "
+                         f"| {mean_std([r['seconds'] for r in runs])[0] / 60:.1f} min |")
         lines.append("")
-        flite = runs.get(f"{partition}/flite-int4")
+        flite = groups.get((partition, "flite-int4"))
         if ref and flite:
-            gap = 100 * (flite["final_accuracy"] - ref["final_accuracy"])
-            ratio = ref["uplink_bytes_per_client_round"] / flite["uplink_bytes_per_client_round"]
-            verdicts.append(f"- {label}: FLITE-int4 is {gap:+.1f} pp from {REFERENCE} (target ≥ −1 pp: "
+            gap = 100 * (mean_std([r["final_accuracy"] for r in flite])[0] - ref_acc)
+            ratio = ref_bytes / flite[0]["uplink_bytes_per_client_round"]
+            interval = gap_interval(flite, ref)
+            ci = (f" (paired over {min(len(flite), len(ref))} seeds: 95% interval {interval[1]:+.1f} to "
+                  f"{interval[2]:+.1f} pp)") if interval else " (one seed: no interval)"
+            verdicts.append(f"- {label}: FLITE-int4 is {gap:+.1f} pp from {REFERENCE}{ci} (target ≥ −1 pp: "
                             f"**{'met' if gap >= -1 else 'not met'}**) at {ratio:,.0f}× fewer uplink bytes "
                             f"(target ≥ 10,000×: **{'met' if ratio >= 10_000 else 'not met'}**).")
     if verdicts:
@@ -204,10 +274,12 @@ def plot(results: dict, path: Path) -> None:
     partitions = results["settings"]["partitions"]
     fig, axes = plt.subplots(1, len(partitions), figsize=(6.5 * len(partitions), 4.6), squeeze=False)
     for ax, partition in zip(axes[0], partitions):
-        curves = {m: results["runs"][f"{partition}/{m}"]["curve"] for m in results["settings"]["methods"]
-                  if f"{partition}/{m}" in results["runs"]}
+        groups = grouped(results)
+        curves = {m: min(groups[(partition, m)], key=lambda r: r.get("seed", 0))["curve"]
+                  for m in results["settings"]["methods"] if (partition, m) in groups}
         label = "Dirichlet α=0.1" if partition == "dirichlet" else "IID"
-        draw_curves(ax, curves, "accuracy", f"CIFAR-10, {label} (hollow: round 0)")
+        task = TASKS[results["settings"].get("task", "cifar10")]
+        draw_curves(ax, curves, "accuracy", f"{task}, {label} (seed 0; hollow: round 0)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -77,6 +77,22 @@ def partition_indices(
     return np.sort(np.asarray(partitioner.load_partition(partition_id)["index"], dtype=np.int64))
 
 
+def public_split(labels: Sequence, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(public, rest)`` indices: a server-side public split, ``fraction`` of every class
+    (stratified, so IID over classes), drawn with its own ``seed``; ``rest`` is what the
+    clients partition. ``fraction == 0`` gives an empty public split."""
+    if not 0.0 <= fraction < 1.0:
+        raise PartitionError(f"task.public_fraction must be in [0, 1), got {fraction}")
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    public = []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        public.append(members[: int(round(fraction * len(members)))])
+    public_idx = np.sort(np.concatenate(public)) if public else np.zeros(0, np.int64)
+    return public_idx, np.setdiff1d(np.arange(len(labels)), public_idx)
+
+
 def train_test_split(indices: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Seeded split of one client's indices into (train, test); both non-empty."""
     if len(indices) < 2:

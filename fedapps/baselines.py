@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import save_file
 
 from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
-from clients.flite import orthogonal_head_
+from clients.flite import frozen_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
@@ -28,7 +28,7 @@ def prepare(cfg):
     model, tokenizer = build_model(cfg)
     if cfg.algorithm.trainable == "lora":
         if cfg.model.kind == "vision":  # LoRA adapts the features; the classifier is FLITE's frozen one
-            orthogonal_head_(model.head, seed=int(cfg.seed))
+            frozen_head_(model, seed=int(cfg.seed))
         model = apply_lora(model, cfg.algorithm.lora, seed=int(cfg.seed))
     else:
         model.requires_grad_(True)

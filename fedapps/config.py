@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "task", "model", "partition", "preset", "robust")
+GROUPS = ("algorithm", "task", "model", "partition", "preset", "robust", "base")
 # run_config keys (pyproject [tool.flwr.app.config]) that are not Hydra groups
 RUN_CONFIG_KEYS = (*GROUPS, "overrides", "output-dir")
 
@@ -183,9 +183,11 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"task '{cfg.task.name}' needs a causal LM, but model '{cfg.model.name}' is {kind}")
     if cfg.task.kind == "image" and kind != "vision":
         raise ConfigError(f"task '{cfg.task.name}' needs a vision model, but model '{cfg.model.name}' is {kind}")
-    if cfg.model.get("arch") == "resnet18_gn" and not cfg.model.get("path"):
+    if cfg.model.get("arch") == "resnet18_gn" and cfg.model.get("pretrained") and not cfg.model.get("path"):
         raise ConfigError("model resnet18-gn needs a checkpoint: model.path=/abs/path/to/resnet18_gn.pt "
-                          "(no package ships ResNet-18-GN weights)")
+                          "(no package ships ResNet-18-GN weights), or model.pretrained=false base=public to "
+                          "pretrain it from a random init on the task's public split")
+    _check_base(cfg)
     allowed = cfg.algorithm.get("models")
     if allowed and kind not in allowed:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' runs on {' or '.join(map(str, allowed))} models, but "
@@ -206,6 +208,26 @@ def finalize(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{key} must be true or false, got {value!r}")
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_base(cfg: DictConfig) -> None:
+    """``base=public`` needs an image task with a public split to pretrain on."""
+    fraction = cfg.task.get("public_fraction", 0.0) or 0.0
+    if cfg.task.kind == "image" and not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
+        raise ConfigError(f"task.public_fraction must be a number in [0, 1), got {fraction!r}")
+    if cfg.base.name != "public":
+        return
+    if cfg.task.kind != "image":
+        raise ConfigError(f"base=public pretrains a vision backbone on an image task's public split; task "
+                          f"'{cfg.task.name}' is {cfg.task.kind} (use base=model)")
+    if not fraction:
+        raise ConfigError("base=public needs a public split: task.public_fraction > 0 (e.g. 0.2)")
+    for key in ("steps", "batch_size"):
+        value = cfg.base.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"base.{key} must be an integer >= 1, got {value!r}")
+    if not isinstance(cfg.base.get("lr"), (int, float)) or cfg.base.lr <= 0:
+        raise ConfigError(f"base.lr must be a number > 0, got {cfg.base.get('lr')!r}")
 
 
 def _check_partition(partition) -> None:

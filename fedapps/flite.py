@@ -11,7 +11,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 from omegaconf import OmegaConf
 
-from clients.flite import FliteConfig, apply_flite, fingerprint, get_latents, num_latents, orthogonal_head_, set_latents
+from clients.flite import FliteConfig, apply_flite, fingerprint, frozen_head_, get_latents, num_latents, set_latents
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
@@ -26,11 +26,10 @@ def flite_config(cfg) -> FliteConfig:
 
 
 def prepare(cfg):
-    """Backbone (+ frozen orthogonal head for vision) with FLITE injected; z = 0."""
+    """Backbone (+ frozen orthogonal head for vision, unless the checkpoint carried one) with FLITE injected; z = 0."""
     model, tokenizer = build_model(cfg)
-    head = getattr(model, "head", None)
-    if cfg.model.kind == "vision" and head is not None:
-        orthogonal_head_(head, seed=int(cfg.seed), gain=float(cfg.algorithm.head_gain))
+    if cfg.model.kind == "vision":  # a checkpoint's own head (θ_pre's) is kept, never re-drawn
+        frozen_head_(model, seed=int(cfg.seed), gain=float(cfg.algorithm.head_gain))
     config = flite_config(cfg)
     apply_flite(model, config)
     return model, tokenizer, {"fingerprint": fingerprint(config, model), "latents": num_latents(model)}

@@ -5,6 +5,7 @@
     postcard -m train.lr=1e-4,1e-3 preset=test                # a sweep over any key: a column per key
     postcard --cfg job                                        # check and print the composed config
     postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
+    postcard pretrain task=cifar10                            # θ_pre for base=public (a task-pretrained base)
 
 Each run is an in-process Flower simulation (Ray) with ``num_clients`` SuperNodes (the
 task's default when unset) and writes its usual run folder. After a sweep, the folder of
@@ -64,6 +65,10 @@ def main() -> None:
         from postcard.pool import main as pool_main
 
         raise SystemExit(pool_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "pretrain":  # θ_pre on the task's public split
+        from postcard.pretrain import main as pretrain_main
+
+        raise SystemExit(pretrain_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         print("Groups:", ", ".join(f"{g} ({', '.join(choices(g))})" for g in GROUPS))

@@ -22,6 +22,8 @@ def test_every_choice_composes(group):
                 groups["task"] = "cifar10"
             if choice == "resnet18-gn":  # composes only with its checkpoint named
                 overrides.append("model.path=/abs/resnet18_gn.pt")
+        if group == "base" and choice == "public":  # pretrains a vision backbone on an image task
+            groups.update(task="cifar10", model="tiny-cnn", algorithm="fedavg-full")
         if group == "algorithm" and choice == "fedavg-full":
             groups["model"] = "tiny-llama"
         cfg = compose(overrides, **groups)

@@ -411,7 +411,9 @@ def fingerprint(config: FliteConfig, model: nn.Module) -> str:
     ``model`` may be a FLITE model built with ``config`` (its recorded digests are used)
     or a plain backbone, even on the meta device (the layout is planned and the factors
     regenerated), so a server can compute the expected value without weights.
-    Not covered: the *values* of the pretrained weights (pin the checkpoint separately).
+    A backbone loaded from a checkpoint file (``model.path``, θ_pre of ``base=public``) adds
+    that file's sha256 (``model.checkpoint_digest``), so clients on another θ_pre are refused;
+    the embedded ImageNet weights are pinned by their package version.
     """
     layers = flite_layers(model)
     if layers:
@@ -431,6 +433,8 @@ def fingerprint(config: FliteConfig, model: nn.Module) -> str:
         "layout": [spec.as_list() for spec in specs],
         "factors": factor_checksum(config, model),
     }
+    if getattr(model, "checkpoint_digest", None):  # the weights came from a file: pin its bytes too
+        record["checkpoint"] = model.checkpoint_digest
     blob = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -462,3 +466,14 @@ def orthogonal_head_(linear: nn.Linear, seed: int = 0, gain: float = 1.0) -> nn.
     if linear.bias is not None:
         linear.bias.requires_grad_(False)
     return linear
+
+
+def frozen_head_(model: nn.Module, seed: int = 0, gain: float = 1.0) -> nn.Module:
+    """``model.head`` as FLITE's frozen classifier: the orthogonal draw of :func:`orthogonal_head_`,
+    unless the checkpoint the model came from carried its head (``model.head_loaded``, e.g.
+    θ_pre of ``base=public``, trained under that very head): then it is kept, only frozen."""
+    if getattr(model, "head_loaded", False):
+        model.head.requires_grad_(False)
+    else:
+        orthogonal_head_(model.head, seed=seed, gain=gain)
+    return model

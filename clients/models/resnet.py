@@ -1,8 +1,11 @@
 """ResNet-18 with GroupNorm: FLITE's paper backbone, loaded from a checkpoint the user gives.
 
-No package ships ResNet-18-GN weights, so the model only exists with ``model.path``
-pointing at a state dict (``.pt``/``.pth`` saved with ``torch.save``, or
-``.safetensors``). Module names follow torchvision's ``resnet18`` with every
+No package ships ResNet-18-GN weights, so the model comes from ``model.path`` pointing at
+a state dict (``.pt``/``.pth`` saved with ``torch.save``, or ``.safetensors``), or from a
+random init (``model.pretrained=false``) trained on the task's public split first
+(``base=public``, see ``clients.pretrain``). ``model.stem=cifar`` swaps the ImageNet stem
+(7x7 stride-2 conv + max-pool) for the CIFAR one (3x3 stride-1 conv, no pool) for 32 px
+images. Module names follow torchvision's ``resnet18`` with every
 ``BatchNorm2d`` replaced by ``GroupNorm(groups, channels)`` (the layout of the usual
 ResNet-GN checkpoints, e.g. timm's or FL papers' ``resnet18_gn``)::
 
@@ -20,11 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from clients.models.weights import CheckpointError, load_weights, read_state_dict  # noqa: F401 (re-exported)
+
 FEATURE_DIM = 512
-
-
-class CheckpointError(ValueError):
-    """A ResNet-18-GN checkpoint that cannot be used; the message says why."""
+STEMS = ("imagenet", "cifar")  # 7x7/2 conv + max-pool (torchvision), or 3x3/1 conv, no pool (CIFAR ResNets)
 
 
 def _gn(channels: int, groups: int) -> nn.GroupNorm:
@@ -51,13 +53,19 @@ class BasicBlock(nn.Module):
 class ResNet18GN(nn.Module):
     """``embed(x)``: pooled (N, 512) features; ``forward(x)``: (N, num_classes) logits."""
 
-    def __init__(self, num_classes: int = 10, groups: int = 32):
+    def __init__(self, num_classes: int = 10, groups: int = 32, stem: str = "imagenet"):
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        if stem not in STEMS:
+            raise ValueError(f"unknown ResNet stem {stem!r}; valid: {', '.join(STEMS)}")
+        if stem == "cifar":  # 32 px images: a 3x3 stride-1 stem and no max-pool keep the resolution
+            self.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+            self.maxpool = nn.Identity()
+        else:
+            self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+            self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         self.bn1 = _gn(64, groups)
-        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         widths, c_in = (64, 128, 256, 512), 64
         for i, width in enumerate(widths, 1):
             stride = 1 if i == 1 else 2
@@ -80,43 +88,11 @@ class ResNet18GN(nn.Module):
         return self.fc(self.embed(x))
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointError(f"ResNet-18-GN checkpoint {path} does not exist (model.path must name a state-dict "
-                              "file: .pt/.pth or .safetensors)")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as err:  # a corrupt or foreign file: say which and why
-        raise CheckpointError(f"cannot read the ResNet-18-GN checkpoint {path}: {err}") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path} does not hold a state dict of tensors")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
-def resnet18_gn(path: str | Path, num_classes: int, groups: int = 32) -> ResNet18GN:
-    """The ResNet-18-GN of the checkpoint at ``path``, its head resized to ``num_classes``."""
-    model = ResNet18GN(num_classes=num_classes, groups=groups)
-    state = read_state_dict(path)
-    head = {k: v for k, v in state.items() if k.startswith("fc.")}
-    body = {k: v for k, v in state.items() if not k.startswith("fc.")}
-    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}
-    missing, unexpected = sorted(set(ours) - set(body)), sorted(set(body) - set(ours))
-    if missing or unexpected:
-        raise CheckpointError(f"{path} is not a ResNet-18 with GroupNorm in torchvision's layout "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for key, value in body.items():
-        if tuple(value.shape) != tuple(ours[key].shape):
-            raise CheckpointError(f"{path}: tensor '{key}' has shape {tuple(value.shape)}, expected "
-                                  f"{tuple(ours[key].shape)}")
-    model.load_state_dict(body, strict=False)
-    if head.get("fc.weight") is not None and tuple(head["fc.weight"].shape) == (num_classes, FEATURE_DIM):
-        model.fc.load_state_dict({k.removeprefix("fc."): v for k, v in head.items()})
-    return model
+def resnet18_gn(path: str | Path | None, num_classes: int, groups: int = 32, stem: str = "imagenet") -> ResNet18GN:
+    """The ResNet-18-GN of the checkpoint at ``path`` (its head kept when it has ``num_classes``
+    outputs, else a new one), or a random init when ``path`` is None (to pretrain with ``base=public``)."""
+    model = ResNet18GN(num_classes=num_classes, groups=groups, stem=stem)
+    if path is None:
+        model.head_loaded = False
+        return model
+    return load_weights(model, path, what="ResNet-18 with GroupNorm")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clients.partition import partition_for, train_test_split
+from clients.partition import PartitionError, partition_for, public_split, train_test_split
 from clients.tasks import vision
 from clients.tasks.base import Task
 
@@ -23,20 +23,37 @@ class ImageTask(Task):
     higher_is_better = True
 
     def __init__(self, cfg, partition_id: int, num_partitions: int, tokenizer=None) -> None:
-        task = cfg.task
-        images, labels, self.class_names = _arrays(str(task.dataset))
-        cap = task.get("max_examples")
-        pool = np.arange(len(labels))
+        """Client ``partition_id``'s share of the images outside the public split."""
+        _, pool = self._load(cfg)
+        cap = cfg.task.get("max_examples")
         if cap and len(pool) > int(cap):
-            pool = np.sort(np.random.default_rng(int(cfg.seed)).choice(len(pool), int(cap), replace=False))
-        mine = pool[partition_for(cfg, labels[pool], num_partitions=num_partitions, partition_id=partition_id)]
-        train, test = train_test_split(mine, float(task.test_fraction), seed=int(cfg.seed) + partition_id)
-        self.images, self.labels = images, labels
+            pool = np.sort(np.random.default_rng(int(cfg.seed)).choice(pool, int(cap), replace=False))
+        mine = pool[partition_for(cfg, self.labels[pool], num_partitions=num_partitions, partition_id=partition_id)]
+        train, test = train_test_split(mine, float(cfg.task.test_fraction), seed=int(cfg.seed) + partition_id)
+        super().__init__(train, test)
+
+    @classmethod
+    def public(cls, cfg, holdout: float = 0.1) -> "ImageTask":
+        """The server's view: the public split (``task.public_fraction`` of every class, never
+        a client's), ``holdout`` of it kept aside to report the pretraining's accuracy."""
+        task = cls.__new__(cls)
+        public, _ = task._load(cfg)
+        if len(public) < 2:
+            raise PartitionError(f"task {cfg.task.name} has no public split: set task.public_fraction (e.g. 0.2)")
+        train, test = train_test_split(public, holdout, seed=int(cfg.task.get("public_seed", 0)))
+        Task.__init__(task, train, test)
+        return task
+
+    def _load(self, cfg) -> tuple[np.ndarray, np.ndarray]:
+        """Read the dataset; return (public split, the clients' pool): disjoint, together everything."""
+        task = cfg.task
+        self.images, self.labels, self.class_names = _arrays(str(task.dataset))
         self.image_size = int(task.image_size)
         self.num_classes = len(self.class_names)
         if int(task.num_classes) != self.num_classes:
             raise ValueError(f"task.num_classes={task.num_classes} but {task.dataset} has {self.num_classes} classes")
-        super().__init__(train, test)
+        return public_split(self.labels, float(task.get("public_fraction", 0.0) or 0.0),
+                            seed=int(task.get("public_seed", 0)))
 
     def label_histogram(self) -> list[int]:
         return np.bincount(self.labels[self.train_idx], minlength=self.num_classes).tolist()

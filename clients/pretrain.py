@@ -1,0 +1,123 @@
+"""θ_pre for ``base=public``: a vision backbone trained centrally on the task's public split.
+
+FLITE's premise is the federated fine-tuning of a base that already knows the task. Here
+that base is made from what this machine has: the model group's weights (ImageNet
+MobileNetV2, a checkpoint, or a random init) trained on a server-side public split
+(``task.public_fraction`` of every class, disjoint from every client's data:
+``clients.partition.public_split``) *with FLITE's frozen orthogonal classifier already in
+place* (seed ``base.seed``, gain ``base.head_gain``), so every method that starts from it
+(FLITE, the LoRA baselines, full FedAvg and its compressed variants) shares one θ_pre and
+one head.
+
+``base_checkpoint(cfg)`` is the file a run loads (``clients.models.build_model``);
+``ensure_base(cfg)`` trains it once (progress logged) and saves it as safetensors under
+``$POSTCARD_CACHE/pretrained-<model>-<dataset>-<key>/`` (with ``report.json``: held-out
+accuracy before/after, time), keyed by every setting that shapes it (backbone, task, split,
+seed, optimiser); later runs reuse it. ``postcard pretrain <overrides>``
+(``postcard.pretrain``) and the server of a ``base=public`` run call it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from logging import INFO
+from pathlib import Path
+
+from flwr.common.logger import log
+from omegaconf import OmegaConf
+
+from clients.assets import AssetMissing, cache_dir, cached_folder
+
+FILE = "base.safetensors"
+REPORT = "report.json"
+FORMAT = "postcard-base-v1"  # bump when the pretraining changes, so old bases are rebuilt
+
+
+def base_settings(cfg) -> dict:
+    """Everything that shapes θ_pre (and nothing else: the runs' own seeds and rounds do not)."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    task = cfg.task
+    return {
+        "format": FORMAT,
+        "model": {k: v for k, v in model.items() if k not in ("lora_targets",)},
+        "task": {"dataset": str(task.dataset), "num_classes": int(task.num_classes),
+                 "image_size": int(task.image_size), "public_fraction": float(task.public_fraction),
+                 "public_seed": int(task.get("public_seed", 0))},
+        "base": {k: v for k, v in OmegaConf.to_container(cfg.base, resolve=True).items()
+                 if k not in ("name", "threads")},
+    }
+
+
+def base_key(cfg) -> str:
+    blob = json.dumps(base_settings(cfg), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def base_folder_name(cfg) -> str:
+    return f"pretrained-{cfg.model.name}-{cfg.task.dataset}-{base_key(cfg)}"
+
+
+def base_checkpoint(cfg) -> Path:
+    """θ_pre's file for this configuration; AssetMissing (with the command) when not built yet."""
+    path = cache_dir() / base_folder_name(cfg) / FILE
+    if not path.is_file():
+        raise AssetMissing(f"θ_pre for base=public ({cfg.model.name} on {cfg.task.dataset}'s public split, key "
+                           f"{base_key(cfg)}) is not built on this machine: run `postcard pretrain` with the run's "
+                           f"overrides (a base=public run on the server builds it too), or copy {path.parent} "
+                           f"from the server into {cache_dir()}")
+    return path
+
+
+def ensure_base(cfg) -> Path:
+    """θ_pre's file, trained now (once, under a lock) when this machine has none."""
+    folder = cached_folder(base_folder_name(cfg), lambda out: _pretrain(cfg, out))
+    return folder / FILE
+
+
+def read_report(cfg) -> dict:
+    """What the pretraining measured (accuracy on the held-out public images before/after, time)."""
+    return json.loads((ensure_base(cfg).parent / REPORT).read_text())
+
+
+def _pretrain(cfg, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from clients.flite import orthogonal_head_
+    from clients.models import vision_model
+    from clients.models.weights import head_prefix
+    from clients.tasks.image import ImageTask
+    from clients.train import evaluate, local_train
+
+    base = cfg.base
+    model = vision_model(cfg, cfg.model.get("path"))
+    orthogonal_head_(model.head, seed=int(base.seed), gain=float(base.head_gain))
+    head = head_prefix(model)
+    for name, param in model.named_parameters():  # the backbone trains; the head stays as drawn
+        param.requires_grad_(not name.startswith(head))
+    task = ImageTask.public(cfg)
+    log(INFO, "pretraining θ_pre: %s on %d public %s images (%.0f%% of each class; %d held out), %d steps of %d, "
+        "lr %g -> %s", cfg.model.name, task.num_train + task.num_test, cfg.task.dataset,
+        100 * float(cfg.task.public_fraction), task.num_test, int(base.steps), int(base.batch_size),
+        float(base.lr), base_folder_name(cfg))
+    eval_cfg = OmegaConf.create({"batch_size": 64, "max_batches": 0})
+    before = evaluate(model, task, eval_cfg)
+    train_cfg = OmegaConf.create({"lr": float(base.lr), "local_steps": int(base.steps),
+                                  "batch_size": int(base.batch_size), "weight_decay": float(base.weight_decay),
+                                  "max_grad_norm": 1.0, "threads": int(base.get("threads", 1)),
+                                  "progress_seconds": 15})
+    start = time.time()
+    metrics = local_train(model, task, train_cfg, seed=int(base.seed))
+    seconds = time.time() - start
+    after = evaluate(model, task, eval_cfg)
+    log(INFO, "θ_pre: held-out public accuracy %.4f -> %.4f after %d steps (%.0f s, final loss %.4f)",
+        before["accuracy"], after["accuracy"], int(base.steps), seconds, metrics["last-loss"])
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / FILE), metadata={"format": FORMAT, "head": "orthogonal",
+                                               "settings": json.dumps(base_settings(cfg), sort_keys=True)})
+    report = {"settings": base_settings(cfg), "key": base_key(cfg), "public_images": task.num_train + task.num_test,
+              "held_out": task.num_test, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+              "seconds": seconds, "torch": torch.__version__}
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
