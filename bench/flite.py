@@ -158,6 +158,8 @@ def run_all(args) -> dict:
             "lr": args.lrs[method], "initial_accuracy": summary["initial_metric"],
             "final_accuracy": summary["final_metric"],
             "uplink_bytes_per_client_round": summary["uplink_bytes_per_client_round"],
+            "uplink_message_bytes_per_client_round": summary.get("uplink_message_bytes_per_client_round"),
+            "uplink_wire_bytes_per_client_round": summary.get("uplink_wire_bytes_per_client_round"),
             "downlink_bytes_per_client_round": summary["downlink_bytes_per_client_round"],
             "refused_replies": summary["refused_replies"], "seconds": seconds,
             "curve": cumulative_curve(summary["run_dir"], "accuracy"), "run_dir": summary["run_dir"],
@@ -214,8 +216,9 @@ def report(results: dict, command: str, machine: str) -> str:
         f"{s['clients']} clients, {s['rounds']} rounds × {s['steps']} local steps of {s['batch_size']} images; "
         f"{', '.join(REPEATED)} over seeds 0..{s.get('seeds', 1) - 1}, the others seed 0; accuracy over every "
         "client's held-out split after the last round (mean ± std over seeds).",
-        "Uplink = payload bytes per client per round (the arrays' data; Flower's message framing adds ~0.4 kB "
-        "per tensor, see `uplink_message_bytes` in each run's summary.json).",
+        "Uplink = payload bytes per client per round (the arrays' data); `count_bytes` = Flower's own count of "
+        "the reply's records (arrays, metrics, keys); wire = the protobuf requests a SuperNode sends for the reply "
+        "(`strategies.codec.wire_bytes`: metadata, object tree, one push per record/array/chunk).",
         "",
     ]
     if results.get("base"):
@@ -230,8 +233,9 @@ def report(results: dict, command: str, machine: str) -> str:
         ref_bytes = ref[0]["uplink_bytes_per_client_round"] if ref else None
         label = "Dirichlet α=0.1" if partition == "dirichlet" else "IID"
         lines += [f"## {label}", "", "| method | lr | seeds | accuracy: round 0 → final | gain over round 0 (pp) | "
-                  f"uplink B/client/round | {REFERENCE} bytes ÷ method bytes | Δ vs {REFERENCE} (pp) | wall/run |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"uplink B/client/round | count_bytes / wire | {REFERENCE} bytes ÷ method bytes | "
+                  f"Δ vs {REFERENCE} (pp) | wall/run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for method in s["methods"]:
             runs = groups.get((partition, method))
             if not runs:
@@ -243,8 +247,10 @@ def report(results: dict, command: str, machine: str) -> str:
             ratio = f"{ref_bytes / sent:,.0f}×" if ref else "–"
             gap = f"{100 * (final - ref_acc):+.1f}" if ref else "–"
             spread = f" ± {std:.3f}" if len(runs) > 1 else ""
+            framed = " / ".join(fmt_bytes(v) if v else "–" for v in (runs[0].get("uplink_message_bytes_per_client_round"),
+                                                                      runs[0].get("uplink_wire_bytes_per_client_round")))
             lines.append(f"| {method} | {runs[0]['lr']:g} | {len(runs)} | {initial:.3f} → **{final:.3f}**{spread} "
-                         f"| {gain:+.1f} | {sent:,.0f} ({fmt_bytes(sent)}) | {ratio} | {gap} "
+                         f"| {gain:+.1f} | {sent:,.0f} ({fmt_bytes(sent)}) | {framed} | {ratio} | {gap} "
                          f"| {mean_std([r['seconds'] for r in runs])[0] / 60:.1f} min |")
         lines.append("")
         flite = groups.get((partition, "flite-int4"))

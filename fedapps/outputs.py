@@ -169,6 +169,7 @@ def summarize(cfg, history: list[dict]) -> dict:
     up = [c["uplink_payload_bytes"] for r in trained for c in r["clients"] if "uplink_payload_bytes" in c]
     down = [c["train_downlink_payload_bytes"] for r in trained for c in r["clients"] if "train_downlink_payload_bytes" in c]
     up_msg = [c["uplink_message_bytes"] for r in trained for c in r["clients"] if "uplink_message_bytes" in c]
+    up_wire = [c["uplink_wire_bytes"] for r in trained for c in r["clients"] if "uplink_wire_bytes" in c]
     values = [(r["round"], r["eval"].get(metric)) for r in history if r["eval"].get(metric) is not None]
     return {
         "algorithm": cfg.algorithm.name,
@@ -187,6 +188,7 @@ def summarize(cfg, history: list[dict]) -> dict:
         },
         "uplink_bytes_per_client_round": float(np.mean(up)) if up else None,
         "uplink_message_bytes_per_client_round": float(np.mean(up_msg)) if up_msg else None,
+        "uplink_wire_bytes_per_client_round": float(np.mean(up_wire)) if up_wire else None,
         "downlink_bytes_per_client_round": float(np.mean(down)) if down else None,
         "uplink_bytes_total": int(np.sum(up)) if up else 0,
         "refused_replies": sum(len(r["refused"]) for r in history),

@@ -376,6 +376,7 @@ class PayloadFedAvg(FedAvg):
             record = msg.content.array_records[self.arrayrecord_key]
             client["uplink_payload_bytes"] = codec.payload_bytes(record)
             client["uplink_message_bytes"] = codec.message_bytes(msg.content)
+            client["uplink_wire_bytes"] = codec.wire_bytes(msg)
             client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
         if not payloads:
             log(WARNING, "round %s: no acceptable training reply; the global state is unchanged", server_round)

@@ -210,3 +210,28 @@ def payload_bytes(record: ArrayRecord) -> int:
 def message_bytes(content) -> int:
     """Flower's own byte count of a message's content (arrays, metrics, config, keys)."""
     return int(sum(record.count_bytes() for record in content.values()))
+
+
+def wire_bytes(message) -> int:
+    """Bytes of the protobuf requests that carry ``message`` over Flower's Fleet API (1.42):
+    one ``PushMessagesRequest`` (metadata and the object tree: a 64-hex id per record, array
+    and chunk) and one ``PushObjectRequest`` per object (its deflated bytes, its id, the
+    node and run), as a SuperNode sends a reply. Not counted: gRPC/HTTP framing, TLS, and the
+    session id of each object push (a few dozen bytes each)."""
+    from flwr.app.message import remove_content_from_message
+    from flwr.common.serde import message_to_proto
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+    node = Node(node_id=int(message.metadata.src_node_id))
+    run_id = int(message.metadata.run_id)
+    head = message if not message.has_content() else remove_content_from_message(message)
+    total = PushMessagesRequest(node=node, messages_list=[message_to_proto(head)],
+                                message_object_trees=[get_object_tree(message)],
+                                clientapp_runtime_list=[0.0]).ByteSize()
+    for object_id, obj in get_all_nested_objects(message).items():
+        total += PushObjectRequest(node=node, run_id=run_id, object_id=object_id,
+                                   object_content=obj.deflate()).ByteSize()
+    return int(total)

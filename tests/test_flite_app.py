@@ -107,3 +107,33 @@ def test_flite_simulation_from_a_task_pretrained_base_with_int4_payloads_learns(
     losses = [record["eval"]["loss"] for record in read_metrics(summary["run_dir"])]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.03  # the held-out loss falls below θ_pre's
     assert summary["final_metric"] > summary["initial_metric"] - 0.05  # (accuracy on 400 images is noisy)
+
+
+def test_wire_bytes_are_the_protobuf_requests_flower_builds_for_a_reply():
+    """codec.wire_bytes equals the serialised length of what Flower's own push helpers send:
+    the PushMessagesRequest (metadata + object tree) and each object's PushObjectRequest."""
+    from flwr.app.message import remove_content_from_message
+    from flwr.common.serde import message_to_proto
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import PushObjectResponse
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_push_object_fn_protobuf
+    from flwr.supercore.inflatable.inflatable_utils import push_objects
+
+    z = np.linspace(-1, 1, 1280).astype(np.float32)
+    msg = reply(123456789, z)
+    sent = []
+
+    def stub(request):  # stands in for the gRPC stub: what would go on the wire
+        sent.append(len(request.SerializeToString()))
+        return PushObjectResponse(stored=True)
+
+    node = Node(node_id=123456789)
+    push_objects(get_all_nested_objects(msg), make_push_object_fn_protobuf(stub, node, msg.metadata.run_id, ""),
+                 max_concurrent_pushes=1)
+    head = PushMessagesRequest(node=node, messages_list=[message_to_proto(remove_content_from_message(msg))],
+                               message_object_trees=[get_object_tree(msg)], clientapp_runtime_list=[0.0])
+    assert len(sent) == 7  # message, record dict, 3 records, the array and its chunk
+    assert codec.wire_bytes(msg) == sum(sent) + len(head.SerializeToString())
+    assert codec.payload_bytes(msg.content["arrays"]) == 648 < codec.message_bytes(msg.content) < codec.wire_bytes(msg)

@@ -591,3 +591,34 @@ def test_config_round_trips_through_a_dict_and_budget_errors_are_clear():
         plan(tiny_cnn(), cnn_config(latent_budget=9))  # 3 norms x 3 latents eat it all
     with pytest.raises(ValueError, match="no layer"):
         plan(tiny_cnn(), cnn_config(target_modules=["nothing"], include_norms=False))
+
+
+DERIVE = """
+import hashlib, sys
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+from fedapps.config import compose
+from fedapps.flite import prepare
+model, _, _ = prepare(compose(["model=tiny-cnn", "algorithm.flite.structured_threshold=100000000"],
+                              task="cifar10", algorithm="flite"))
+digest = hashlib.sha256()
+for name, buf in sorted(model.named_buffers()):
+    if "flite_" in name:
+        digest.update(name.encode() + buf.contiguous().numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_derived_factors_are_bit_identical_across_thread_counts():
+    """Clients on machines with other thread counts derive the same bits: every dense map
+    (4.6M entries on the tiny CNN; before they were formed on one thread, 1 and 2 threads
+    gave different last bits) and every basis."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    digests = {threads: subprocess.run([sys.executable, "-c", DERIVE, str(threads)], cwd=root, check=True,
+                                       capture_output=True, text=True).stdout.strip().splitlines()[-1]
+               for threads in (1, 2)}
+    assert len(digests[1]) == 64 and digests[1] == digests[2]

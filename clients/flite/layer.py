@@ -52,6 +52,7 @@ Scaling (why the naive version learned so little)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -168,14 +169,32 @@ def latent_basis(raw: RawFactors, coeff: float, name: str = "layer") -> torch.Te
     return (coeff * basis).to(torch.float32)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one torch thread: a reduction's order (hence its last bits) then
+    depends on nothing but the inputs, not on how many threads this process was given."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def dense_map(A: torch.Tensor, basis: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """The explicit ``(m·n) × k`` matrix of ``z ↦ vec(A · diag(basisᵀ z) · B)``.
 
-    Column ``j`` is ``vec(A · diag(basis[j]) · B)``. Memory ``4·m·n·k`` bytes: small layers only.
+    Column ``j`` is ``vec(A · diag(basis[j]) · B)``. Memory ``4·m·n·k`` bytes: small layers
+    only. Formed on the CPU on one thread (then moved), so every client derives the same bits
+    whatever its thread count or device (tested across processes). Two CPUs whose BLAS picks
+    another kernel could still differ in the last bits: each entry is a sum of ``r`` products,
+    so by at most ``r·2⁻²⁴`` relative (``r`` = ``flite.rank``, 64).
     """
-    m, n, k = A.shape[0], B.shape[1], basis.shape[0]
-    cols = (A.unsqueeze(1) * basis.unsqueeze(0)) @ B  # (m, k, n): A · diag(basis[j]) · B
-    return cols.permute(0, 2, 1).reshape(m * n, k).contiguous()
+    m, n, k, device = A.shape[0], B.shape[1], basis.shape[0], A.device
+    A, basis, B = (t.detach().cpu() for t in (A, basis, B))
+    with one_thread():
+        cols = (A.unsqueeze(1) * basis.unsqueeze(0)) @ B  # (m, k, n): A · diag(basis[j]) · B
+    return cols.permute(0, 2, 1).reshape(m * n, k).contiguous().to(device)
 
 
 @dataclass
@@ -191,11 +210,13 @@ class LayerFactors:
 
 
 def build_factors(seed: int, spec: LayerSpec, params: list[torch.Tensor], scale: float, scale_mode: str) -> LayerFactors:
-    """Regenerate a layer's factors and scale them against its pretrained ``params``."""
+    """Regenerate a layer's factors and scale them against its pretrained ``params`` (on one
+    CPU thread: the same bits in every process, :func:`one_thread`)."""
     raw = generate_raw_factors(seed, spec)
-    rho = reference_rms(params, scale_mode)
-    coeff = float(scale) * rho * math.sqrt(spec.numel / spec.latents)
-    basis = latent_basis(raw, coeff, spec.name)
+    with one_thread():
+        rho = reference_rms(params, scale_mode)
+        coeff = float(scale) * rho * math.sqrt(spec.numel / spec.latents)
+        basis = latent_basis(raw, coeff, spec.name)
     return LayerFactors(A=raw.A, B=raw.B, basis=basis, coeff=coeff, digest=raw.digest())
 
 
