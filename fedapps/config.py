@@ -142,6 +142,7 @@ _NUMERIC = (
     ("train.local_steps", int, 1),
     ("train.batch_size", int, 1),
     ("train.seq_len", int, 2),
+    ("train.logit_chunk", int, 0),
     ("eval.batch_size", int, 1),
     ("eval.max_batches", int, 0),
 )

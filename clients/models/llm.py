@@ -108,3 +108,61 @@ def describe(model) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return f"{type(model).__name__}: {total / 1e6:.1f}M parameters, {trainable:,} trainable"
 
+
+
+# --------------------------------------------------------------------------- the output layer, in pieces
+# A causal LM's 49,152-way logits are the largest tensor of a client's step: [batch, tokens,
+# vocab] in fp32 (100 MB for 4 x 128 tokens of SmolLM2) and as much again for their gradient.
+# These helpers run the decoder, then the output layer only where it is needed: at chosen
+# positions (MMLU/NIAH score one token per prompt), or token chunk by token chunk with the
+# chunk's logits recomputed in backward (torch.utils.checkpoint), so at most one chunk of
+# logits exists at a time. Same values and gradients as the full logits (tested).
+
+
+def decoder_and_head(model):
+    """``(decoder, output layer)`` of a HF causal LM, through a PEFT wrapper; the decoder's
+    ``last_hidden_state`` fed to the output layer gives the model's logits. Every method's
+    adapters (LoRA, FLITE, FedNL's memory, SmartFed's experts) live inside the two."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if decoder is None or head is None or getattr(base.config, "final_logit_softcapping", None):
+        return None, None  # not a plain decoder + linear head: callers use the full logits
+    return decoder, head
+
+
+def position_logits(model, input_ids, attention_mask, positions) -> torch.Tensor:
+    """Logits ``[batch, vocab]`` at ``positions[b]`` of each row (the output layer runs on
+    those positions only)."""
+    decoder, head = decoder_and_head(model)
+    rows = torch.arange(len(positions), device=input_ids.device)
+    if decoder is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits[rows, positions]
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return head(hidden[rows, positions])
+
+
+def _chunk_loss(head, hidden, labels):
+    return torch.nn.functional.cross_entropy(head(hidden).float(), labels, reduction="sum")
+
+
+def token_loss(model, input_ids, labels, *, chunk_tokens: int = 256, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of ``labels`` (``[batch, tokens]``) over the full vocabulary,
+    ``mean`` or ``sum``; with ``chunk_tokens > 0`` the output layer and the loss run on that
+    many tokens at a time (their logits recomputed in backward), else on all logits at once."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be mean or sum, got {reduction!r}")
+    decoder, head = decoder_and_head(model) if chunk_tokens > 0 else (None, None)
+    if decoder is None:
+        logits = model(input_ids=input_ids).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = decoder(input_ids=input_ids).last_hidden_state.flatten(0, 1)
+    flat = labels.flatten()
+    total = None
+    for start in range(0, flat.numel(), int(chunk_tokens)):
+        piece = (head, hidden[start : start + chunk_tokens], flat[start : start + chunk_tokens])
+        part = checkpoint(_chunk_loss, *piece, use_reentrant=False) if torch.is_grad_enabled() else _chunk_loss(*piece)
+        total = part if total is None else total + part
+    return total / flat.numel() if reduction == "mean" else total

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from clients import assets
+from clients.models.llm import position_logits, token_loss
 from clients.partition import partition_for, train_test_split
 from clients.tasks.base import Task, TaskError
 
@@ -74,6 +75,7 @@ class ShakespeareTask(Task):
             windows.append(chunks)
             labels += [str(play)] * len(chunks)
         self.windows = torch.from_numpy(np.concatenate(windows))
+        self.logit_chunk = int(cfg.train.get("logit_chunk", 256) or 0)
         mine = partition_for(cfg, labels, num_partitions=num_partitions, partition_id=partition_id,
                              natural_order=[str(p) for p in task.plays])
         self.plays = sorted({labels[i] for i in mine})
@@ -85,15 +87,14 @@ class ShakespeareTask(Task):
         return {"input_ids": chunk[:, :-1], "labels": chunk[:, 1:]}
 
     def loss(self, model, batch):
-        logits = model(input_ids=batch["input_ids"]).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        return token_loss(model, batch["input_ids"], batch["labels"], chunk_tokens=self.logit_chunk)
 
     @torch.no_grad()
     def evaluate(self, model, batch_size, max_batches):
         total, count = 0.0, 0
         for batch in self.test_batches(batch_size, max_batches):
-            logits = model(input_ids=batch["input_ids"]).logits
-            total += F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum").item()
+            total += token_loss(model, batch["input_ids"], batch["labels"], chunk_tokens=self.logit_chunk,
+                                reduction="sum").item()
             count += batch["labels"].numel()
         loss = total / count
         return {"perplexity": math.exp(min(loss, 50.0)), "loss": loss, "num-examples": count // self.windows.shape[1]}
@@ -178,8 +179,9 @@ class MMLUTask(Task):
         return {"input_ids": input_ids, "attention_mask": attention, "last": last, "answer": answer}
 
     def _letter_logits(self, model, batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        at_last = logits[torch.arange(len(batch["last"])), batch["last"]]
+        """(full-vocabulary logits, the four letters' logits) at each prompt's last token; the
+        output layer runs on those positions only."""
+        at_last = position_logits(model, batch["input_ids"], batch["attention_mask"], batch["last"])
         return at_last, at_last[:, self.letter_ids]
 
     def loss(self, model, batch):
