@@ -4,7 +4,8 @@
 
 Collects, in this order, whatever each benchmark script last wrote: ``docs/bench/demo/
 demo.md`` (``python -m postcard.demo --report docs/bench/demo``), ``docs/bench/flite/
-flite.md`` (bench/flite.py), the bench section of ``docs/fednl.md`` (bench/fednl.py
+flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py --base public),
+``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (bench/fednl.py
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py). Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
@@ -28,6 +29,11 @@ REPORTS = (
      "python -m postcard.demo --report docs/bench/demo", None),
     ("FLITE vs compressed-update baselines (CIFAR-10)", DOCS / "bench" / "flite" / "flite.md",
      "bench/flite.py", None),
+    ("FLITE from a task-pretrained base (near regime, CIFAR-10)", DOCS / "bench" / "flite-near" / "flite.md",
+     "bench/flite.py --base public --seeds 3 ... --out docs/bench/flite-near (see Makefile)", None),
+    ("A FLITE reply on the wire", DOCS / "bench" / "wire_bytes.md", "bench/wire_bytes.py", None),
+    ("Causal-LM client memory: full logits vs the chunked output layer", DOCS / "bench" / "lm_memory" / "lm_memory.md",
+     "bench/lm_memory.py", None),
     ("FedNL on SmolLM2 (MMLU, NIAH, memory, throughput)", DOCS / "fednl.md", "bench/fednl.py --write-docs",
      ("<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->")),
     ("SmartFed vs FedAvg-LoRA from scratch", DOCS / "bench" / "smartfed.md", "bench/smartfed.py", None),

@@ -4,12 +4,13 @@
     .venv/bin/python bench/lm_memory.py --quick               # tiny-llama, seconds
     .venv/bin/python bench/lm_memory.py --methods fedavg-lora --chunks 0 64 256
 
-Each (method, ``train.logit_chunk``) runs in a fresh process: the method's ``prepare``
-builds the client's model (SmolLM2-135M with the method's adapters), then ``--steps``
-local AdamW steps on the first Shakespeare client's windows (``--batch-size`` ×
-``--seq-len`` tokens). Reported per row: the process's peak resident memory (``ru_maxrss``,
-everything: Python, torch, the weights, activations, logits), seconds per step after the
-first, and the ratio of peak memory to the same method with the full logits (chunk 0).
+Each (method, ``train.logit_chunk``) runs in a fresh process (``bench/memory.py``, the probe
+bench/smartfed.py uses too): the method's ``prepare`` builds the client's model (SmolLM2-135M
+with the method's adapters), then ``--steps`` local AdamW steps on the first Shakespeare
+client's windows (``--batch-size`` × ``--seq-len`` tokens). Reported per row: the process's
+peak resident memory while training (Linux ``VmHWM``, reset once the model is built), the
+part of it above the loaded model, seconds per step (the first step included), and the
+ratio of peak memory to the same method with the full logits (chunk 0).
 ``train.logit_chunk`` (default 256) runs the output layer and the loss on that many tokens
 at a time, recomputed in backward, so the [batch, tokens, 49,152] logits never exist.
 Writes ``OUT/lm_memory.md`` and ``.json``.
@@ -20,44 +21,27 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from memory import measure_memory  # noqa: E402 (bench/memory.py)
+
 METHODS = ("fedavg-lora", "flite", "fednl")
 
-CHILD = """
-import json, resource, sys, time
-sys.path.insert(0, {root!r})
-from clients.tasks import make_task
-from clients.train import local_train
-from fedapps import registry
-from fedapps.config import compose
-
-cfg = compose({overrides!r}, algorithm={method!r}, task="shakespeare", preset="none")
-model, tokenizer, _ = registry.get({method!r}).prepare(cfg)
-task = make_task(cfg, 0, int(cfg.num_clients or cfg.task.default_clients), tokenizer)
-local_train(model, task, cfg.train, seed=0, steps=1)  # warm-up step (allocator, first-call costs)
-start = time.perf_counter()
-metrics = local_train(model, task, cfg.train, seed=1)
-seconds = (time.perf_counter() - start) / int(cfg.train.local_steps)
-print(json.dumps({{"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds_per_step": seconds,
-                  "loss": metrics["loss"]}}))
-"""
-
-
 def measure(method: str, chunk: int, args) -> dict:
-    overrides = [f"train.logit_chunk={chunk}", f"train.local_steps={args.steps}", f"train.batch_size={args.batch_size}",
-                 f"train.seq_len={args.seq_len}", "train.threads=1", "train.progress_seconds=0"]
+    from fedapps.config import compose
+
+    overrides = [f"train.logit_chunk={chunk}", f"train.batch_size={args.batch_size}", f"train.seq_len={args.seq_len}",
+                 "train.threads=1", "train.progress_seconds=0"]
     if args.quick:
         overrides.append("model=tiny-llama")
-    code = CHILD.format(root=str(ROOT), overrides=overrides, method=method)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{method} chunk {chunk} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    cfg = compose(overrides, algorithm=method, task="shakespeare", preset="none")
+    return measure_memory(cfg, args.workdir, args.steps, name=f"{method}-chunk{chunk}")
 
 
 def main(argv=None) -> int:
@@ -65,12 +49,13 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--chunks", nargs="+", type=int, default=[0, 256], help="train.logit_chunk values (0 = full logits)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=3, help="local steps measured (peak memory and s/step)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="tiny-llama instead of SmolLM2 (seconds)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "lm_memory")
     args = p.parse_args(argv)
+    args.workdir = Path(tempfile.mkdtemp(prefix="lm-memory-"))
     if 0 not in args.chunks:
         args.chunks = [0, *args.chunks]  # the reference of every ratio
     command = "bench/lm_memory.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
@@ -79,16 +64,19 @@ def main(argv=None) -> int:
         for chunk in args.chunks:
             print(f"[bench {time.strftime('%H:%M:%S')}] {method}, train.logit_chunk={chunk}", flush=True)
             rows.append({"method": method, "logit_chunk": chunk, **measure(method, chunk, args)})
+            print(f"    peak {rows[-1]['peak_rss_mb']:,.0f} MB, {rows[-1]['seconds_per_step']:.2f} s/step", flush=True)
     model = "tiny-llama" if args.quick else "SmolLM2-135M"
     lines = [f"# Causal-LM client memory: full logits vs the chunked output layer ({model})", "",
              f"Made by `{command.strip()}`, {time.strftime('%Y-%m-%d')}; one client process per row, "
              f"{args.batch_size} × {args.seq_len} tokens per step, 1 thread.", "",
-             "| method | train.logit_chunk | peak RSS (MB) | ÷ full logits | s/step | loss |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| method | train.logit_chunk | peak RSS while training (MB) | above the loaded model (MB) | "
+             "÷ full logits | s/step | loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         ref = next(r for r in rows if r["method"] == row["method"] and r["logit_chunk"] == 0)
-        lines.append(f"| {row['method']} | {row['logit_chunk'] or 'full'} | {row['peak_mb']:,.0f} | "
-                     f"{row['peak_mb'] / ref['peak_mb']:.2f}× | {row['seconds_per_step']:.2f} | {row['loss']:.4f} |")
+        lines.append(f"| {row['method']} | {row['logit_chunk'] or 'full'} | {row['peak_rss_mb']:,.0f} | "
+                     f"{row['peak_above_backbone_mb']:,.0f} | {row['peak_rss_mb'] / ref['peak_rss_mb']:.2f}× | "
+                     f"{row['seconds_per_step']:.2f} | {row['loss']:.4f} |")
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lm_memory.md").write_text(text)

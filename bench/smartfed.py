@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,86 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from postcard import pool as pool_cli  # noqa: E402
-from fedapps.config import compose, from_yaml, to_yaml  # noqa: E402
+from fedapps.config import compose, to_yaml  # noqa: E402
 from fedapps.outputs import read_metrics  # noqa: E402
+from memory import measure_memory  # noqa: E402 (bench/memory.py)
 
 HIGHER_IS_BETTER = {"accuracy": True, "perplexity": False}
-
-
-# ---------------------------------------------------------------------------- memory probe
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    """Reset VmHWM (peak RSS) to the current RSS (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def memory_probe(config_path: str, downlink_path: str | None, steps: int) -> dict:
-    """Runs in a fresh process: one client's local training, memory measured around it."""
-    import torch
-
-    from clients.tasks import make_task
-    from clients.train import local_train
-
-    cfg = from_yaml(Path(config_path).read_text())
-    torch.set_num_threads(1)
-    if cfg.algorithm.name == "smartfed":
-        from safetensors.numpy import load_file
-
-        from clients.smartfed.more import load_mixture
-        from fedapps.smartfed import more_config, prepare
-
-        model, tok, _ = prepare(cfg)
-        task = make_task(cfg, 0, int(cfg.num_clients), tok)
-        load_mixture(model, load_file(downlink_path), more_config(cfg))
-    else:
-        from fedapps.baselines import prepare
-
-        model, tok, _ = prepare(cfg)
-        task = make_task(cfg, 0, int(cfg.num_clients), tok)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    backbone_kb = _status_kb("VmRSS")
-    _reset_peak()
-    train_cfg = cfg.train.copy()
-    train_cfg.local_steps = steps
-    local_train(model, task, train_cfg, seed=0)
-    peak_kb = _status_kb("VmHWM")
-    return {
-        "algorithm": str(cfg.algorithm.name),
-        "rss_after_load_mb": backbone_kb / 1024,
-        "peak_rss_mb": peak_kb / 1024,
-        "peak_above_backbone_mb": (peak_kb - backbone_kb) / 1024,
-        "trainable_values": int(trainable),
-        "trainable_state_mb": trainable * 4 * 4 / 2**20,
-    }
-
-
-def measure_memory(cfg, workdir: Path, steps: int, downlink: dict | None) -> dict:
-    """Run :func:`memory_probe` in a child process (a clean peak for each algorithm)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / f"{cfg.algorithm.name}.yaml"
-    config_path.write_text(to_yaml(cfg))
-    command = [sys.executable, __file__, "--memory-probe", str(config_path), "--steps", str(steps)]
-    if downlink is not None:
-        from safetensors.numpy import save_file
-
-        path = workdir / "smartfed-downlink.safetensors"
-        save_file({k: v.copy() for k, v in downlink.items()}, str(path))
-        command += ["--downlink", str(path)]
-    # glibc keeps freed blocks (RSS then reflects the allocator's history, not live memory);
-    # a fixed mmap threshold returns every block >= 64 KiB to the system when it is freed
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory probe of {cfg.algorithm.name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def round1_downlink(cfg) -> dict:
@@ -317,14 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="where the table, JSON and plot go")
     parser.add_argument("--runs-dir", default=None,
                         help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-smartfed/)")
-    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--downlink", default=None, help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args(argv)
     extra = [e for e in extra if e != "--"]
-
-    if args.memory_probe:
-        print(json.dumps(memory_probe(args.memory_probe, args.downlink, args.steps)))
-        return 0
 
     start = time.time()
     out = Path(args.out).resolve()
