@@ -179,7 +179,7 @@ class _Rounds:
 def run_server(grid: Grid, cfg) -> dict:
     method = registry.get(cfg.algorithm.name)
     resume_dir, must_exist = ckpt.resume_folder(cfg)  # a bad resume request fails before any waiting
-    if cfg.base.name == "public":  # θ_pre: trained here once (clients on this machine load it), else reused
+    if cfg.get("base") is not None and cfg.base.name == "public":  # θ_pre: trained here once (clients on this machine load it), else reused
         from clients.pretrain import ensure_base
 
         log(INFO, "base=public: θ_pre at %s", ensure_base(cfg))
