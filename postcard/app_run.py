@@ -21,8 +21,14 @@ import time
 from pathlib import Path
 
 
+def _env() -> dict[str, str]:
+    """This venv first on PATH: `flwr run` starts `flower-superlink` from PATH, even when the venv is not
+    activated."""
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
 def _flwr() -> str:
-    path = shutil.which("flwr", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    path = shutil.which("flwr", path=_env()["PATH"])
     if path is None:
         raise SystemExit("postcard.app_run: the `flwr` command is not installed next to this Python")
     return path
@@ -40,7 +46,8 @@ def run_status(flwr: str, run_id: str, timeout: float = 60.0) -> dict:
     """The run's record from ``flwr ls --run-id`` once its status is ``finished:*``."""
     deadline = time.time() + timeout
     while True:
-        out = subprocess.run([flwr, "ls", "--run-id", run_id, "--format", "json"], capture_output=True, text=True)
+        out = subprocess.run([flwr, "ls", "--run-id", run_id, "--format", "json"], capture_output=True, text=True,
+                             env=_env())
         try:
             runs = _json(out.stdout).get("runs") or []
         except ValueError:
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = [a for a in args if a != "--stream"]  # the logs are streamed here
     flwr = _flwr()
-    submitted = subprocess.run([flwr, "run", *args, "--format", "json"], capture_output=True, text=True)
+    submitted = subprocess.run([flwr, "run", *args, "--format", "json"], capture_output=True, text=True, env=_env())
     try:
         reply = _json(submitted.stdout)
     except ValueError:
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"postcard.app_run: the run was not submitted (flwr run exit {submitted.returncode})", file=sys.stderr)
         return 2
     print(f"postcard.app_run: run {run_id} submitted; streaming its logs", flush=True)
-    subprocess.run([flwr, "log", run_id, "--stream"])
+    subprocess.run([flwr, "log", run_id, "--stream"], env=_env())
     record = run_status(flwr, run_id)
     status = str(record.get("status", "unknown"))
     if status == "finished:completed":

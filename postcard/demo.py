@@ -102,7 +102,10 @@ def ensure_pool(args, demo_folder: Path) -> None:
 
 def flwr_run(args, method: str, folder: Path) -> dict:
     """``flwr run .`` of one method (streamed to the console); its summary.json."""
-    flwr = shutil.which("flwr", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    from postcard.deploy import flower_env
+
+    env = flower_env()  # this venv first on PATH: `flwr run` starts `flower-superlink` from there
+    flwr = shutil.which("flwr", path=env["PATH"])
     if flwr is None:
         raise SystemExit("demo: the `flwr` command is not installed next to this Python (pip install -e .)")
     overrides = " ".join([f"run_name={method}", f"model={args.model}", *run_overrides(args, method)])
@@ -112,7 +115,7 @@ def flwr_run(args, method: str, folder: Path) -> dict:
                f"num-supernodes={args.clients} client-resources-num-cpus=1", "--run-config", run_config]
     print("$ " + " ".join(shlex.quote(c) for c in command), flush=True)
     start = time.time()
-    proc = subprocess.run(command, cwd=ROOT)
+    proc = subprocess.run(command, cwd=ROOT, env=env)
     seconds = time.time() - start
     summary_path = folder / method / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
