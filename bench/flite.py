@@ -184,6 +184,14 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def paired_gap(method_runs: list[dict], ref_runs: list[dict]) -> float:
+    """Mean gap (pp) of the method to the reference run of the same seed (a one-seed method is
+    compared with the reference's seed 0, not with its mean over seeds)."""
+    ref = {r.get("seed", 0): r["final_accuracy"] for r in ref_runs}
+    gaps = [100 * (r["final_accuracy"] - ref[r.get("seed", 0)]) for r in method_runs if r.get("seed", 0) in ref]
+    return mean_std(gaps)[0] if gaps else float("nan")
+
+
 def gap_interval(method_runs: list[dict], ref_runs: list[dict]) -> tuple[float, float, float] | None:
     """Mean gap (pp) of the method to the reference over paired seeds, and its 95% t-interval."""
     from scipy import stats
@@ -218,7 +226,8 @@ def report(results: dict, command: str, machine: str) -> str:
         "client's held-out split after the last round (mean ± std over seeds).",
         "Uplink = payload bytes per client per round (the arrays' data); `count_bytes` = Flower's own count of "
         "the reply's records (arrays, metrics, keys); wire = the protobuf requests a SuperNode sends for the reply "
-        "(`strategies.codec.wire_bytes`: metadata, object tree, one push per record/array/chunk).",
+        "(`strategies.codec.wire_bytes`: metadata, object tree, one push per record/array/chunk; – for runs "
+        "made before it was recorded).",
         "",
     ]
     if results.get("base"):
@@ -229,12 +238,11 @@ def report(results: dict, command: str, machine: str) -> str:
     verdicts = []
     for partition in s["partitions"]:
         ref = groups.get((partition, REFERENCE))
-        ref_acc = mean_std([r["final_accuracy"] for r in ref])[0] if ref else None
         ref_bytes = ref[0]["uplink_bytes_per_client_round"] if ref else None
         label = "Dirichlet α=0.1" if partition == "dirichlet" else "IID"
         lines += [f"## {label}", "", "| method | lr | seeds | accuracy: round 0 → final | gain over round 0 (pp) | "
                   f"uplink B/client/round | count_bytes / wire | {REFERENCE} bytes ÷ method bytes | "
-                  f"Δ vs {REFERENCE} (pp) | wall/run |",
+                  f"Δ vs {REFERENCE}, same seeds (pp) | wall/run |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for method in s["methods"]:
             runs = groups.get((partition, method))
@@ -245,7 +253,7 @@ def report(results: dict, command: str, machine: str) -> str:
             gain = mean_std([100 * (r["final_accuracy"] - r["initial_accuracy"]) for r in runs])[0]
             sent = runs[0]["uplink_bytes_per_client_round"]
             ratio = f"{ref_bytes / sent:,.0f}×" if ref else "–"
-            gap = f"{100 * (final - ref_acc):+.1f}" if ref else "–"
+            gap = f"{paired_gap(runs, ref):+.1f}" if ref else "–"
             spread = f" ± {std:.3f}" if len(runs) > 1 else ""
             framed = " / ".join(fmt_bytes(v) if v else "–" for v in (runs[0].get("uplink_message_bytes_per_client_round"),
                                                                       runs[0].get("uplink_wire_bytes_per_client_round")))
@@ -255,7 +263,7 @@ def report(results: dict, command: str, machine: str) -> str:
         lines.append("")
         flite = groups.get((partition, "flite-int4"))
         if ref and flite:
-            gap = 100 * (mean_std([r["final_accuracy"] for r in flite])[0] - ref_acc)
+            gap = paired_gap(flite, ref)
             ratio = ref_bytes / flite[0]["uplink_bytes_per_client_round"]
             interval = gap_interval(flite, ref)
             ci = (f" (paired over {min(len(flite), len(ref))} seeds: 95% interval {interval[1]:+.1f} to "
