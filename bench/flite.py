@@ -143,7 +143,7 @@ def run_all(args) -> dict:
     if args.base == "public":  # θ_pre once, before the runs (each would otherwise wait on the first)
         from clients.pretrain import ensure_base, read_report
 
-        cfg = config_for(args, REFERENCE, args.partitions[0], 0)
+        cfg = config_for(args, args.methods[0], args.partitions[0], 0)  # θ_pre does not depend on the method
         log(f"θ_pre: {ensure_base(cfg)}")
         results["base"] = read_report(cfg)
     jobs = [(p, m, seed) for p in args.partitions for m in args.methods for seed in seeds_of(args, m)]
