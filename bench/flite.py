@@ -82,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--seeds", type=int, default=1, help=f"seeds 0..N-1 for {' and '.join(REPEATED)} (others: 0)")
+    p.add_argument("--seed-list", type=int, nargs="+", default=None, metavar="SEED",
+                   help="these seeds instead of 0..N-1 (to add seeds to an earlier report's runs)")
     p.add_argument("--base", choices=list(BASES), default="model", help="; ".join(f"{k}: {v}" for k, v in BASES.items()))
     p.add_argument("--task", choices=list(TASKS), default="cifar10")
     p.add_argument("--quick", action="store_true",
@@ -131,7 +133,9 @@ def config_for(args, method: str, partition: str, seed: int):
 
 
 def seeds_of(args, method: str) -> list[int]:
-    return list(range(args.seeds)) if method in REPEATED else [0]
+    if method not in REPEATED:
+        return [0]
+    return list(args.seed_list) if args.seed_list else list(range(args.seeds))
 
 
 def run_all(args) -> dict:
