@@ -376,7 +376,10 @@ class PayloadFedAvg(FedAvg):
             record = msg.content.array_records[self.arrayrecord_key]
             client["uplink_payload_bytes"] = codec.payload_bytes(record)
             client["uplink_message_bytes"] = codec.message_bytes(msg.content)
-            client["uplink_wire_bytes"] = codec.wire_bytes(msg)
+            try:  # a measurement: whatever a reply holds, it must not stop the round
+                client["uplink_wire_bytes"] = codec.wire_bytes(msg)
+            except Exception:  # noqa: BLE001
+                pass
             client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
         if not payloads:
             log(WARNING, "round %s: no acceptable training reply; the global state is unchanged", server_round)
