@@ -72,7 +72,7 @@ deploy-local: assets
 
 # `flwr run` leaves a local SuperLink running; stop the one of this FLWR_HOME by its pid
 stop-superlink:
-	$(PY) -m postcard.superlink "$(FLWR_HOME)"
+	$(PY) -m postcard.superlink stop "$(FLWR_HOME)"
 
 test: assets
 	$(PY) -m pytest -q

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
 from clients.flite import frozen_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings, uplink_kwargs
+from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
+                            uplink_kwargs)
 from fedapps.session import uplink_record
 from strategies import codec
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
@@ -128,4 +129,25 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
     return ServerPlan(strategy=strategy, save_final=save_final)
 
 
-METHODS = tuple(Method(name, prepare, train, evaluate, plan_server) for name in STRATEGIES)
+def restore(cfg, run_dir):
+    """The final global model: :func:`prepare` + the saved adapter (``adapter/``, PEFT's format) or
+    full weights (``final_state.safetensors``)."""
+    model, tokenizer, extra = prepare(cfg)
+    if cfg.algorithm.trainable == "lora":
+        from peft import set_peft_model_state_dict
+
+        path = final_file(run_dir, "adapter/adapter_model.safetensors")
+        result = set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in load_file(str(path)).items()})
+        if result.unexpected_keys or any("lora_" in k for k in result.missing_keys):
+            raise FinalStateError(f"{path} does not fit this configuration's LoRA (unexpected "
+                                  f"{result.unexpected_keys[:3]}, missing {[k for k in result.missing_keys if 'lora_' in k][:3]})")
+        return model, tokenizer
+    state = load_file(str(final_file(run_dir, "final_state.safetensors")))
+    missing = sorted(set(extra["names"]) - set(state))
+    if missing:
+        raise FinalStateError(f"{run_dir}/final_state.safetensors lacks {missing[:3]}")
+    load_federated_state(model, {k: torch.from_numpy(v) for k, v in state.items()})
+    return model, tokenizer
+
+
+METHODS = tuple(Method(name, prepare, train, evaluate, plan_server, restore) for name in STRATEGIES)

@@ -21,7 +21,7 @@ from clients.adapters import federated_state, load_federated_state
 from clients.fedala import adaptive_local_aggregation, model_order
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.baselines import plan_lora_server, prepare
+from fedapps.baselines import plan_lora_server, prepare, restore
 from fedapps.method import ClientCall, Method, ServerPlan, Update, round_seed
 from strategies import codec
 from strategies.fedala import FedALA
@@ -107,4 +107,4 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return plan_lora_server(cfg, FedALA, on_round_end=on_round_end, config_yaml=config_yaml)
 
 
-METHOD = Method("fedala", prepare, train, evaluate, plan_server)
+METHOD = Method("fedala", prepare, train, evaluate, plan_server, restore)  # the global adapter

@@ -42,7 +42,7 @@ from clients.fednl import (
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings
+from fedapps.method import ClientCall, Method, ServerPlan, Update, final_file, strategy_settings
 from strategies import codec
 from strategies.fednl import FedNL, gate_alpha
 
@@ -199,4 +199,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return ServerPlan(strategy=strategy, save_final=save_final)
 
 
-METHOD = Method("fednl", prepare, train, evaluate, plan_server)
+def restore(cfg, run_dir):
+    return load_final(cfg, final_file(run_dir, "fednl_theta.safetensors"))
+
+
+METHOD = Method("fednl", prepare, train, evaluate, plan_server, restore)

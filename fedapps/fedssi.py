@@ -16,7 +16,7 @@ from clients.adapters import federated_state, load_federated_state
 from clients.fedssi import ssi_round
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics
-from fedapps.baselines import plan_lora_server, prepare
+from fedapps.baselines import plan_lora_server, prepare, restore
 from fedapps.method import ClientCall, Method, ServerPlan, Update
 from strategies import codec
 from strategies.fedssi import FedSSI
@@ -59,4 +59,4 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
                             c=float(ssi.c), lam=float(ssi.lam))
 
 
-METHOD = Method("fedssi", prepare, train, evaluate, plan_server)
+METHOD = Method("fedssi", prepare, train, evaluate, plan_server, restore)  # the global adapter

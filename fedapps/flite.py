@@ -15,7 +15,8 @@ from clients.flite import FliteConfig, apply_flite, fingerprint, frozen_head_, g
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings, uplink_kwargs
+from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
+                            uplink_kwargs)
 from fedapps.session import ClientSetupError, uplink_record
 from strategies import codec
 from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
@@ -78,11 +79,27 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     )
 
     def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:
+        # z: the global latents as every client holds them (the decoded downlink: what the final metric
+        # measured); z_server: the server's own average (they differ with an int4 downlink)
         target = run_dir / "latents.npz"
-        np.savez(target, z=global_state[LATENT_KEY], fingerprint=extra["fingerprint"])
+        held = codec.decode(strategy.downlink_arrays())[LATENT_KEY]
+        np.savez(target, z=held, z_server=global_state[LATENT_KEY], fingerprint=extra["fingerprint"])
         return {"final_state": str(target), "latents": extra["latents"], "fingerprint": extra["fingerprint"]}
 
     return ServerPlan(strategy=strategy, save_final=save_final)
 
 
-METHOD = Method("flite", prepare, train, evaluate, plan_server)
+def restore(cfg, run_dir):
+    """The final global model: :func:`prepare` (factors regenerated from the seed) + the saved z,
+    after checking that this parametrisation is the run's (its fingerprint)."""
+    model, tokenizer, extra = prepare(cfg)
+    with np.load(final_file(run_dir, "latents.npz")) as saved:
+        z, saved_fingerprint = saved["z"], str(saved["fingerprint"])
+    if saved_fingerprint != extra["fingerprint"]:
+        raise FinalStateError(f"{run_dir}/latents.npz belongs to FLITE parametrisation {saved_fingerprint}, but this "
+                              f"configuration (and base weights) give {extra['fingerprint']}")
+    set_latents(model, z)
+    return model, tokenizer
+
+
+METHOD = Method("flite", prepare, train, evaluate, plan_server, restore)

@@ -10,7 +10,9 @@ place (PEFT's ``register_peft_method`` is the model):
   ClientApp has already read the run's config, opened the node's session and will add
   ``partition-id`` to the metrics and build the reply;
 * ``plan_server(cfg, *, on_round_end, config_yaml) -> ServerPlan`` builds the strategy and
-  says how to save the final global state.
+  says how to save the final global state;
+* ``restore(cfg, run_dir) -> (model, tokenizer)`` rebuilds the final global model from what
+  ``save_final`` wrote (``fedapps.final.load_run``: inference, evaluation, export).
 
 The model kinds a method runs on are declared in its ``conf/algorithm/<name>.yaml``
 (``models:``) and checked when the config is composed, before any model is imported.
@@ -79,6 +81,21 @@ class Method:
     train: Callable[[ClientCall], Update]
     evaluate: Callable[[ClientCall], dict]
     plan_server: Callable[..., ServerPlan]
+    restore: Callable[[object, object], tuple]  # (cfg, run_dir) -> (model, tokenizer)
+
+
+class FinalStateError(RuntimeError):
+    """A run folder's final state is missing or does not fit its configuration."""
+
+
+def final_file(run_dir, name: str):
+    """``run_dir/name``, or a clear error when the run did not write it."""
+    from pathlib import Path
+
+    path = Path(run_dir) / name
+    if not path.exists():
+        raise FinalStateError(f"{path} is missing: the run did not finish, or was written by another version")
+    return path
 
 
 def round_seed(cfg, server_round: int, partition_id: int) -> int:

@@ -26,6 +26,12 @@ def output_root(cfg) -> Path:
     return Path(str(root)).expanduser().resolve()
 
 
+def run_name(cfg) -> str:
+    """The run folder's name: ``run_name``, else ``<date-time>_<algorithm>_<task>_<model>``."""
+    return str(cfg.get("run_name") or f"{dt.datetime.now():%Y%m%d-%H%M%S}_{cfg.algorithm.name}_{cfg.task.name}_"
+               f"{cfg.model.name}")
+
+
 class RunDir:
     """A run's folder: ``config.yaml``, ``metrics.jsonl`` (a line per round), ``summary.json``, plots.
 
@@ -35,9 +41,7 @@ class RunDir:
 
     def __init__(self, cfg, path: Path | None = None) -> None:
         if path is None:
-            name = cfg.get("run_name") or (
-                f"{dt.datetime.now():%Y%m%d-%H%M%S}_{cfg.algorithm.name}_{cfg.task.name}_{cfg.model.name}"
-            )
+            name = run_name(cfg)
             path = output_root(cfg) / str(name)
             suffix = 1
             while path.exists():

@@ -1,13 +1,47 @@
-"""Postcard's registered ServerApp: compose the config, run the chosen algorithm's server."""
+"""Postcard's registered ServerApp: compose the config, run the chosen algorithm's server.
+
+Flower logs any exception of a ServerApp with its whole traceback. A run refused for a reason
+the user can fix (a bad config, no SmartFed pool, too few SuperNodes, a resume folder that does
+not fit) is logged as one line instead: the error's own message names the fix.
+"""
 
 from __future__ import annotations
+
+import logging
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedapps.config import compose_from_run_config
-from fedapps.runner import run_server
+from clients.adapters import AdapterError
+from clients.assets import AssetMissing
+from clients.models.llm import ModelError
+from clients.models.weights import CheckpointError
+from clients.partition import PartitionError
+from clients.smartfed.pool import PoolError
+from clients.tasks.base import TaskError
+from fedapps.checkpoint import ResumeError
+from fedapps.config import ConfigError, compose_from_run_config
+from fedapps.fednl import FedNLSetupError
+from fedapps.runner import NoReplies, ServerSetupError, run_server
+from fedapps.smartfed import SmartFedError
 
+# errors whose message says what to change: logged in one line, without a traceback
+USER_ERRORS = (ConfigError, ServerSetupError, NoReplies, ResumeError, SmartFedError, FedNLSetupError, PoolError,
+               PartitionError, TaskError, AssetMissing, AdapterError, ModelError, CheckpointError)
+
+
+class OneLineUserErrors(logging.Filter):
+    """Turn Flower's "ServerApp raised an exception" + traceback into one line for :data:`USER_ERRORS`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, USER_ERRORS):
+            record.msg, record.args = f"{record.getMessage()}: {error}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("flwr").addFilter(OneLineUserErrors())
 app = ServerApp()
 
 

@@ -46,7 +46,7 @@ from clients.smartfed.more import (
 from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_descriptor, backbone_fingerprint, default_pool_dir
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps.method import ClientCall, Method, ServerPlan, Update, strategy_settings
+from fedapps.method import ClientCall, Method, ServerPlan, Update, final_file, strategy_settings
 from fedapps.session import ClientSetupError
 from strategies import codec, sparse
 from strategies.eeqa import EEQA
@@ -261,7 +261,15 @@ def load_run_mixture(model, run_dir, cfg) -> dict[str, np.ndarray]:
     return load_mixture(model, state.gather(active), more_config(cfg))
 
 
-METHOD = Method("smartfed", prepare, train, evaluate, plan_server)
+def restore(cfg, run_dir):
+    """The backbone with the run's final mixture (its saved experts and active sets, ``smartfed/``)."""
+    model, tokenizer, _ = prepare(cfg)
+    final_file(run_dir, "smartfed/experts.safetensors")
+    load_run_mixture(model, run_dir, cfg)
+    return model, tokenizer
+
+
+METHOD = Method("smartfed", prepare, train, evaluate, plan_server, restore)
 
 __all__ = [
     "METHOD",

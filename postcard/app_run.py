@@ -8,27 +8,27 @@ logs (``flwr log RUN_ID --stream``), then reads its status from the SuperLink
 (``flwr ls --run-id RUN_ID --format json``) and exits 0 for ``finished:completed``, 1 for a
 failed or stopped run (with Flower's status details and, when the run folder says why,
 Postcard's error), 2 when the run could not be submitted.
+
+The run goes to the local SuperLink of ``$FLWR_HOME`` (by default the checkout's ``.flwr``) on
+that folder's own ports (``postcard.superlink``), so two checkouts never share one.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def _env() -> dict[str, str]:
-    """This venv first on PATH: `flwr run` starts `flower-superlink` from PATH, even when the venv is not
-    activated."""
-    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+from postcard.deploy import ROOT, flower_env
+from postcard.superlink import SuperLinkBusy, check_free
 
 
-def _flwr() -> str:
-    path = shutil.which("flwr", path=_env()["PATH"])
+def _flwr(env: dict[str, str]) -> str:
+    path = shutil.which("flwr", path=env["PATH"])
     if path is None:
         raise SystemExit("postcard.app_run: the `flwr` command is not installed next to this Python")
     return path
@@ -42,12 +42,12 @@ def _json(text: str) -> dict:
     return json.loads(text[start:text.rindex("}") + 1])
 
 
-def run_status(flwr: str, run_id: str, timeout: float = 60.0) -> dict:
+def run_status(flwr: str, run_id: str, env: dict[str, str], timeout: float = 60.0) -> dict:
     """The run's record from ``flwr ls --run-id`` once its status is ``finished:*``."""
     deadline = time.time() + timeout
     while True:
         out = subprocess.run([flwr, "ls", "--run-id", run_id, "--format", "json"], capture_output=True, text=True,
-                             env=_env())
+                             env=env)
         try:
             runs = _json(out.stdout).get("runs") or []
         except ValueError:
@@ -58,14 +58,20 @@ def run_status(flwr: str, run_id: str, timeout: float = 60.0) -> dict:
         time.sleep(1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] in (["-h"], ["--help"]):
-        print(__doc__)
-        return 0
+def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, label: str = "postcard.app_run") -> int:
+    """``flwr run *args`` (submitted, its logs streamed), through this FLWR_HOME's own local SuperLink
+    (``postcard.superlink``); 0 when Flower reports the run ``finished:completed``, 1 when it failed
+    or was stopped, 2 when it could not be submitted."""
+    env = flower_env() if env is None else env
+    try:
+        check_free(env)
+    except SuperLinkBusy as err:
+        print(f"{label}: {err}", file=sys.stderr)
+        return 2
+    flwr = _flwr(env)
     args = [a for a in args if a != "--stream"]  # the logs are streamed here
-    flwr = _flwr()
-    submitted = subprocess.run([flwr, "run", *args, "--format", "json"], capture_output=True, text=True, env=_env())
+    submitted = subprocess.run([flwr, "run", *args, "--format", "json"], capture_output=True, text=True, env=env,
+                               cwd=cwd)
     try:
         reply = _json(submitted.stdout)
     except ValueError:
@@ -73,18 +79,61 @@ def main(argv: list[str] | None = None) -> int:
     run_id = str(reply.get("run-id") or "")
     if submitted.returncode != 0 or not reply.get("success", False) or not run_id:
         print(submitted.stdout + submitted.stderr, file=sys.stderr)
-        print(f"postcard.app_run: the run was not submitted (flwr run exit {submitted.returncode})", file=sys.stderr)
+        print(f"{label}: the run was not submitted (flwr run exit {submitted.returncode})", file=sys.stderr)
         return 2
-    print(f"postcard.app_run: run {run_id} submitted; streaming its logs", flush=True)
-    subprocess.run([flwr, "log", run_id, "--stream"], env=_env())
-    record = run_status(flwr, run_id)
+    print(f"{label}: run {run_id} submitted; streaming its logs", flush=True)
+    subprocess.run([flwr, "log", run_id, "--stream"], env=env, cwd=cwd)
+    record = run_status(flwr, run_id, env)
     status = str(record.get("status", "unknown"))
     if status == "finished:completed":
-        print(f"postcard.app_run: run {run_id} {status}", flush=True)
+        print(f"{label}: run {run_id} {status}", flush=True)
         return 0
     details = record.get("status-details") or ""
-    print(f"postcard.app_run: run {run_id} {status}" + (f": {details}" if details else ""), file=sys.stderr)
+    print(f"{label}: run {run_id} {status}" + (f": {details}" if details else ""), file=sys.stderr)
     return 1
+
+
+def run_composed(cfg, overrides: list[str]) -> tuple[int, dict]:
+    """Run a composed configuration (``cfg``, from Hydra ``overrides``) as ``flwr run`` of this app:
+    the group choices and the other overrides become its run config, ``num_clients`` its
+    SuperNodes, ``simulation.client_cpus/client_gpus`` their resources. Returns the exit status of
+    :func:`run_app` and the run's ``summary.json`` (empty when it wrote none)."""
+    import tempfile
+
+    from fedapps.config import GROUPS
+    from fedapps.outputs import output_root, run_name
+    from fedapps.runner import client_count
+    from fedapps.simulation import client_resources
+
+    groups, rest = {}, []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key in GROUPS:
+            groups[key] = override.split("=", 1)[1]
+        elif key.lstrip("+~") not in ("output_dir", "run_name"):
+            rest.append(override)
+    root, name = output_root(cfg), run_name(cfg)
+    rest.append(f"run_name={name}")
+    num_clients = client_count(cfg)
+    resources = client_resources(cfg, num_clients)
+    federation = (f"num-supernodes={num_clients} client-resources-num-cpus={resources['num_cpus']:g} "
+                  f"client-resources-num-gpus={resources['num_gpus']:g}")
+    run_config = {**groups, "overrides": shlex.join(rest), "output-dir": str(root)}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "run-config.toml"  # a file: no quoting of values for the command line
+        path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in run_config.items()))
+        status = run_app([str(ROOT), "--federation-config", federation, "--run-config", str(path)], cwd=ROOT,
+                         label="postcard")
+    runs = sorted(root.glob(f"{name}*/summary.json"), key=lambda p: p.stat().st_mtime)
+    return status, (json.loads(runs[-1].read_text()) if runs else {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    return run_app(args)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,18 @@
     postcard --cfg job                                        # check and print the composed config
     postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
     postcard pretrain task=cifar10                            # θ_pre for base=public (a task-pretrained base)
+    postcard generate RUN_DIR "To be, or not"                 # a finished run's final model: a continuation,
+    postcard evaluate RUN_DIR                                 # its held-out evaluation,
+    postcard export RUN_DIR merged/                           # a standalone checkpoint (postcard.final)
 
-Each run is an in-process Flower simulation (Ray) with ``num_clients`` SuperNodes (the
-task's default when unset) and writes its usual run folder. After a sweep, the folder of
+Each run is ``flwr run`` of this app (a Flower simulation with Ray, through the checkout's
+own local SuperLink: ``postcard.superlink``; stop it with ``make stop-superlink``) with
+``num_clients`` SuperNodes (the task's default when unset) and writes its usual run folder;
+``postcard`` exits 1 when a run fails. After a sweep, the folder of
 the sweep gets ``comparison.md``, ``comparison.csv`` (one row per configuration, a column
 per swept key) and ``comparison.png`` (metric against cumulative uplink bytes per client,
 a curve per run). A bad key or choice stops it at once: one line, exit status 2.
-``flwr run .`` runs the same configurations through a SuperLink.
+``flwr run .`` runs the same configurations (``python -m postcard.app_run`` with an exit status).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class ComparisonTable(Callback):
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> dict | None:
-    from fedapps.simulation import simulate
+    from postcard.app_run import run_composed
 
     try:
         cfg = finalize(cfg)
@@ -57,7 +62,10 @@ def run(cfg: DictConfig) -> dict | None:
         OmegaConf.set_struct(cfg, False)
         cfg.output_dir = str(Path(HydraConfig.get().sweep.dir).resolve())
         OmegaConf.set_struct(cfg, True)
-    return simulate(cfg)
+    status, summary = run_composed(cfg, list(HydraConfig.get().overrides.task))
+    if status != 0:  # the run's own error has been printed by now
+        raise SystemExit(status)
+    return summary
 
 
 def main() -> None:
@@ -69,6 +77,10 @@ def main() -> None:
         from postcard.pretrain import main as pretrain_main
 
         raise SystemExit(pretrain_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] in ("generate", "evaluate", "export"):  # a finished run's final model
+        from postcard.final import main as final_main
+
+        raise SystemExit(final_main(sys.argv[1:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         print("Groups:", ", ".join(f"{g} ({', '.join(choices(g))})" for g in GROUPS))

@@ -104,7 +104,13 @@ def flwr_run(args, method: str, folder: Path) -> dict:
     """``flwr run .`` of one method (streamed to the console); its summary.json."""
     from postcard.deploy import flower_env
 
-    env = flower_env()  # this venv first on PATH: `flwr run` starts `flower-superlink` from there
+    from postcard.superlink import SuperLinkBusy, check_free
+
+    env = flower_env()  # this venv first on PATH (`flwr run` starts `flower-superlink` from there), own ports
+    try:
+        check_free(env)
+    except SuperLinkBusy as err:
+        raise SystemExit(f"demo: {err}") from None
     flwr = shutil.which("flwr", path=env["PATH"])
     if flwr is None:
         raise SystemExit("demo: the `flwr` command is not installed next to this Python (pip install -e .)")

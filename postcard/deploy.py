@@ -235,7 +235,11 @@ def kill_tree(pid: int, timeout: float = 15.0) -> list[int]:
 
 
 def flower_env(flwr_home: Path | None = None, **extra: str) -> dict[str, str]:
-    """The environment of every cluster process: this venv first, offline, no runtime installs."""
+    """The environment of every Flower process Postcard starts: this venv first, offline, no runtime
+    installs, and the local SuperLink ports of its FLWR_HOME (``postcard.superlink.local_env``); FLWR_HOME
+    is the checkout's ``.flwr`` unless set, so a checkout never reaches another one's local SuperLink."""
+    from postcard.superlink import local_env
+
     env = dict(os.environ)
     env.update({
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
@@ -248,10 +252,9 @@ def flower_env(flwr_home: Path | None = None, **extra: str) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
     })
-    if flwr_home is not None:
-        env["FLWR_HOME"] = str(flwr_home)
+    env["FLWR_HOME"] = str(flwr_home) if flwr_home is not None else env.get("FLWR_HOME") or str(ROOT / ".flwr")
     env.update(extra)
-    return env
+    return local_env(env)
 
 
 def executable(name: str) -> str:

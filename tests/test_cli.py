@@ -1,4 +1,5 @@
-"""The `postcard` Hydra CLI: a sweep runs each configuration and writes one comparison table."""
+"""The `postcard` Hydra CLI: each configuration is `flwr run` of this app through the checkout's own
+local SuperLink; a sweep writes one comparison table; a failed run exits non-zero."""
 
 import csv
 import os
@@ -7,17 +8,31 @@ import sys
 
 import pytest
 
+from postcard.deploy import flower_env
+from postcard.superlink import stop as stop_superlinks
+
 pytestmark = pytest.mark.slow
 
 
-def test_sweep_writes_a_comparison_table(tmp_path):
-    env = dict(os.environ, POSTCARD_OUTPUTS=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-m", "postcard.cli", "-m", "algorithm=fedavg-lora,ffa-lora", "preset=test",
-         "rounds=1", "train.local_steps=2"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+@pytest.fixture
+def cli(tmp_path):
+    home = tmp_path / "flwr-home"
+    env = flower_env(home, POSTCARD_OUTPUTS=str(tmp_path))
+
+    def run(*args, timeout=600):
+        return subprocess.run([sys.executable, "-m", "postcard.cli", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    yield run
+    stop_superlinks(home)
+
+
+def test_sweep_writes_a_comparison_table(tmp_path, cli):
+    proc = cli("-m", "algorithm=fedavg-lora,ffa-lora", "preset=test", "rounds=1", "train.local_steps=2")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "run_simulation" not in log  # Flower's deprecated in-process API is not used
+    assert log.count("finished:completed") == 2
     tables = list(tmp_path.glob("sweeps/*/comparison.csv"))
     assert len(tables) == 1
     rows = list(csv.DictReader(open(tables[0])))
@@ -25,10 +40,20 @@ def test_sweep_writes_a_comparison_table(tmp_path):
     assert float(rows[1]["uplink_vs_fedavg_lora"]) < 1.0
     assert (tables[0].parent / "comparison.md").exists()
     assert (tables[0].parent / "comparison.png").exists()  # metric vs cumulative uplink bytes
+    assert len(list(tables[0].parent.glob("*/summary.json"))) == 2  # each run's own folder, in the sweep's
+
+
+def test_a_run_that_fails_on_the_server_exits_1(tmp_path, cli):
+    """SmartFed without a knowledge pool passes the config checks and fails on the server: `postcard`
+    says so and exits 1 (Flower's `flwr run --stream` would exit 0)."""
+    proc = cli("algorithm=smartfed", "preset=test", f"algorithm.pool={tmp_path / 'no-pool'}", "rounds=1", timeout=300)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert "finished:failed" in proc.stderr
+    assert "no knowledge pool at" in proc.stdout + proc.stderr
 
 
 def test_cli_refuses_a_bad_choice_with_the_valid_ones(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "postcard.cli", "algorithm=fedsgd"], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, POSTCARD_OUTPUTS=str(tmp_path)))
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "fedavg-lora" in proc.stderr and "fedsgd" in proc.stderr

@@ -134,3 +134,28 @@ def test_postcard_checks_a_config_before_hydra_and_exits_2(tmp_path):
     helped = postcard("--help")
     assert helped.returncode == 0
     assert all(f"{group} (" in helped.stdout for group in GROUPS) and "robust (default, krum" in helped.stdout
+
+
+def test_a_refused_run_is_logged_in_one_line_under_flower_and_other_errors_keep_their_traceback():
+    """Flower logs a ServerApp's exception with its traceback; Postcard's fixable errors become one line."""
+    import io
+    import logging
+
+    import fedapps.server_app  # noqa: F401  (installs the filter on Flower's logger)
+    from fedapps.config import ConfigError
+    from flwr.common.logger import log
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        for error in (ConfigError("unknown config key 'train.lrr'; did you mean 'train.lr'"), KeyError("bug")):
+            try:
+                raise error
+            except Exception as err:
+                log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=err)
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "ServerApp raised an exception: unknown config key 'train.lrr'; did you mean 'train.lr'"
+    assert lines[1] == "ServerApp raised an exception" and lines[2].startswith("Traceback")

@@ -1,13 +1,13 @@
 """`make demo`'s program (postcard.demo): four methods through `flwr run`, one table and one plot."""
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from postcard.deploy import flower_env
 from postcard.superlink import stop as stop_superlinks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,8 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_demo_runs_all_four_methods_and_compares_them(tmp_path):
     flwr_home = tmp_path / "flwr-home"
-    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "postcard.demo", "--model", "tiny-llama", "--clients", "2",

@@ -365,6 +365,14 @@ def test_fednl_simulation_learns_in_both_payload_modes(mode, outputs):
     model, _ = fednl.load_final(fednl_cfg(mode=mode), summary["final_state"])
     assert gate_alpha({n: p.detach().numpy() for n, p in model.named_parameters() if "fednl_gate" in n}) == \
         pytest.approx(summary["final_gate_alpha"])
+    if mode == "meta-rules":  # (in mode 'gate' each client keeps its own LoRA: no single final model)
+        from fedapps.final import load_run
+        from fedapps.method import FinalStateError
+
+        final = load_run(summary["run_dir"])
+        assert final.evaluate()["aggregate"]["perplexity"] == pytest.approx(summary["final_metric"], rel=1e-6)
+        with pytest.raises(FinalStateError, match="delta-rule memory is part of no Hugging Face architecture"):
+            final.export(outputs / "merged")
 
 
 @pytest.mark.slow

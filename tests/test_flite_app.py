@@ -107,6 +107,18 @@ def test_flite_simulation_from_a_task_pretrained_base_with_int4_payloads_learns(
     losses = [record["eval"]["loss"] for record in read_metrics(summary["run_dir"])]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.03  # the held-out loss falls below θ_pre's
     assert summary["final_metric"] > summary["initial_metric"] - 0.05  # (accuracy on 400 images is noisy)
+    # the final model from the run folder (factors regenerated, z as the clients hold it) scores what the
+    # run recorded; merged into the backbone's own weights it is a plain tiny CNN with the same accuracy
+    from clients.models import vision_model
+    from clients.tasks import make_task
+    from clients.train import evaluate
+    from fedapps.final import load_run
+
+    final = load_run(summary["run_dir"])
+    assert final.evaluate()["aggregate"]["accuracy"] == pytest.approx(summary["final_metric"], rel=1e-9)
+    plain = vision_model(cfg, final.export(outputs / "merged") / "model.safetensors")
+    task = make_task(cfg, 0, 2)
+    assert evaluate(plain, task, cfg.eval)["accuracy"] == evaluate(final.model, task, cfg.eval)["accuracy"]
 
 
 def test_wire_bytes_are_the_protobuf_requests_flower_builds_for_a_reply():

@@ -1,7 +1,6 @@
 """`flwr run .` of the registered app, on the real embedded SmolLM2 (a few steps)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from postcard.deploy import flower_env
 from postcard.superlink import stop as stop_superlinks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,8 +17,7 @@ pytestmark = pytest.mark.slow
 
 def flwr_run(tmp_path, run_config: str, supernodes: int = 2, timeout: int = 900):
     flwr_home = tmp_path / "flwr-home"
-    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     flwr = shutil.which("flwr", path=env["PATH"])
     try:
         return subprocess.run(
@@ -62,8 +61,7 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
     """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 1 (0 when it completes).
     The completed configuration, run again by `postcard`'s simulation, gives the same metrics."""
     flwr_home = tmp_path / "flwr-home"
-    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     federation = ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
     out = tmp_path / "runs"
 
@@ -77,6 +75,7 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         assert failed.returncode == 1, (failed.stdout + failed.stderr)[-3000:]
         assert "finished:failed" in failed.stderr
         assert "unknown config key 'train.lrr'; did you mean 'train.lr'" in failed.stdout + failed.stderr
+        assert "Traceback" not in failed.stdout + failed.stderr  # one line, not Flower's traceback of the ServerApp
         assert not out.exists()  # refused before any run folder
         done = app_run(f"preset='test' overrides='rounds=1 train.local_steps=2' output-dir='{out}'")
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

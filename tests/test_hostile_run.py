@@ -85,6 +85,7 @@ output-dir = ""
 
 
 def test_flwr_run_with_one_hostile_supernode(tmp_path):
+    from postcard.deploy import flower_env
     from postcard.superlink import stop as stop_superlinks
 
     app = tmp_path / "app"
@@ -93,8 +94,7 @@ def test_flwr_run_with_one_hostile_supernode(tmp_path):
     shutil.copy(Path(__file__).with_name("hostile_app.py"), app / "hostile_app.py")
     out = tmp_path / "runs"
     home = tmp_path / "flwr-home"
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = flower_env(home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     overrides = "rounds=2 num_clients=3 train.local_steps=4"
     try:
         proc = subprocess.run(

@@ -3,6 +3,7 @@
 import pytest
 
 from fedapps.config import compose
+from fedapps.final import load_run
 from fedapps.outputs import mean_train_loss, read_metrics
 from fedapps.simulation import simulate
 
@@ -24,6 +25,19 @@ def test_baseline_learns_over_three_rounds(algorithm, outputs):
     assert len(ups) == 1 and ups.pop() == summary["uplink_bytes_per_client_round"]
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "metrics.png"):
         assert (outputs / summary["run_dir"].split("/")[-1] / name).exists()
+    # the final model, rebuilt from the run folder alone, scores what the run recorded
+    final = load_run(summary["run_dir"])
+    assert final.evaluate()["aggregate"]["perplexity"] == pytest.approx(summary["final_metric"], rel=1e-6)
+    if algorithm == "fedavg-lora":  # merged into a plain Hugging Face checkpoint: the same logits
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        ids = final.tokenizer("To be, or not to be", return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected = final.model(ids).logits
+            merged = AutoModelForCausalLM.from_pretrained(final.export(outputs / "merged"))
+            assert torch.allclose(merged(ids).logits, expected, atol=1e-4)
+        assert isinstance(final.generate("To be", max_new_tokens=3), str)
 
 
 def test_lora_payload_sizes_follow_the_algorithm(outputs):

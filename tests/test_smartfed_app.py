@@ -375,3 +375,7 @@ def test_smartfed_learns_over_three_rounds(tiny_pool, mode, outputs):
         load_run_mixture(model, summary["run_dir"], cfg)
         metrics = evaluate(model, make_task(cfg, 0, 2, tok), cfg.eval)
         assert metrics["perplexity"] == pytest.approx(summary["final_client_metrics"]["0"], rel=1e-4)
+        from fedapps.final import load_run
+
+        final = load_run(summary["run_dir"])  # the same, as one call, over every client's split
+        assert final.evaluate()["aggregate"]["perplexity"] == pytest.approx(summary["final_metric"], rel=1e-4)

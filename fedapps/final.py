@@ -1,0 +1,137 @@
+"""A finished run's final global model, outside any run: load, evaluate, generate, export.
+
+    from fedapps.final import load_run
+    final = load_run("outputs/<run folder>")     # final.model (eval mode, CPU), final.tokenizer, final.cfg
+    final.generate("To be, or not to be")        # causal LMs
+    final.evaluate()                             # the run's held-out evaluation, every client's split
+    final.export("merged/")                      # a standalone checkpoint (where a merge is exact)
+
+Every method rebuilds its model from the run's own ``config.yaml`` (the resolved
+configuration, seeds included) and what its ``save_final`` wrote (``Method.restore``):
+LoRA methods their PEFT adapter, full-weight methods their weights, FLITE its latents
+(factors regenerated from the seed, fingerprint checked), FedNL its meta-rules θ, SmartFed
+its experts and active sets. ``postcard generate / evaluate / export`` are the commands.
+
+An export is exact or refused: LoRA adapters and FLITE's ``θ_pre + U Vᵀ z`` merge into
+the base weights (a Hugging Face checkpoint for a causal LM, loadable with
+``AutoModelForCausalLM.from_pretrained``; a state-dict ``model.safetensors`` for a vision
+model, loadable with ``model.path=``). FedNL's delta-rule memory belongs to no Hugging Face
+architecture and SmartFed routes each token to its own experts, so neither merges into
+static weights: use :func:`load_run` for them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fedapps.method import FinalStateError
+
+NOT_MERGEABLE = {
+    "fednl": "FedNL's delta-rule memory is part of no Hugging Face architecture",
+    "smartfed": "SmartFed routes every token to its own rank-1 experts, which no static weights reproduce",
+}
+
+
+@dataclass
+class FinalModel:
+    """A run's final global model (eval mode, on the CPU) with its tokenizer and configuration."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    cfg: object
+    run_dir: Path
+    summary: dict
+
+    def evaluate(self, progress=None) -> dict:
+        """The run's evaluation of this model: each client's held-out split (``eval.*`` as in the run),
+        aggregated as the server does (weighted by examples, capped by ``robust``). Returns
+        ``{"clients": [metrics per partition], "aggregate": {...}}``."""
+        from clients.tasks import make_task
+        from clients.train import evaluate as evaluate_model
+        from fedapps.runner import client_count
+        from strategies.base import NUM_EXAMPLES, aggregate_metrics
+        from strategies.robust import Robustness, cap_weights
+        from omegaconf import OmegaConf
+
+        n = client_count(self.cfg)
+        per_client = []
+        for pid in range(n):
+            task = make_task(self.cfg, pid, n, self.tokenizer)
+            metrics = evaluate_model(self.model, task, self.cfg.eval)
+            metrics["partition-id"] = pid
+            per_client.append(metrics)
+            if progress is not None:
+                progress(pid, n, metrics)
+        robustness = Robustness.from_mapping(OmegaConf.to_container(self.cfg.robust, resolve=True))
+        weights = cap_weights([m[NUM_EXAMPLES] for m in per_client], robustness)
+        return {"clients": per_client, "aggregate": dict(aggregate_metrics(per_client, weights))}
+
+    def generate(self, prompt: str, max_new_tokens: int = 40, *, greedy: bool = True, seed: int = 0) -> str:
+        """The model's continuation of ``prompt`` (causal LMs; greedy unless ``greedy=False``)."""
+        if self.cfg.model.kind != "causal_lm":
+            raise FinalStateError(f"generate needs a causal LM; this run's model '{self.cfg.model.name}' is "
+                                  f"{self.cfg.model.kind}")
+        torch.manual_seed(seed)
+        inputs = self.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=int(max_new_tokens), do_sample=not greedy,
+                                      pad_token_id=self.tokenizer.eos_token_id)
+        return self.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    def export(self, target: str | Path) -> Path:
+        """Write the merged model to ``target`` (see the module docstring); returns the folder.
+
+        The model in memory is merged in place: load the run again to use it unmerged."""
+        name = str(self.cfg.algorithm.name)
+        if name in NOT_MERGEABLE:
+            raise FinalStateError(f"{name} cannot be exported as static weights: {NOT_MERGEABLE[name]}; load it with "
+                                  f"fedapps.final.load_run('{self.run_dir}')")
+        target = Path(target).expanduser().resolve()
+        if target.exists() and any(target.iterdir()):
+            raise FinalStateError(f"{target} exists and is not empty; give a new folder")
+        model = self.model
+        if name == "flite":
+            from clients.flite import merge_and_unload
+
+            model = merge_and_unload(model)
+        elif hasattr(model, "merge_and_unload"):  # a PEFT model
+            model = model.merge_and_unload()
+        target.mkdir(parents=True, exist_ok=True)
+        if self.cfg.model.kind == "causal_lm":
+            model.save_pretrained(str(target))
+            self.tokenizer.save_pretrained(str(target))
+        else:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+                      str(target / "model.safetensors"))
+        (target / "postcard-export.json").write_text(json.dumps({
+            "run_dir": str(self.run_dir), "algorithm": name, "task": str(self.cfg.task.name),
+            "model": str(self.cfg.model.name), "final_metric": self.summary.get("final_metric"),
+            "metric": str(self.cfg.task.metric)}, indent=1) + "\n")
+        self.model = model
+        return target
+
+
+def load_run(run_dir: str | Path) -> FinalModel:
+    """The final global model of a completed run folder (see the module docstring)."""
+    from fedapps import registry
+    from fedapps.config import from_yaml
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    summary_path, config_path = run_dir / "summary.json", run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise FinalStateError(f"{run_dir} is not a Postcard run folder (no config.yaml)")
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if summary.get("status") != "completed":
+        state = summary.get("status", "not finished")
+        raise FinalStateError(f"{run_dir} holds no final model: the run is {state}"
+                              + (f" ({summary['error']})" if summary.get("error") else ""))
+    cfg = from_yaml(config_path.read_text())
+    model, tokenizer = registry.get(str(cfg.algorithm.name)).restore(cfg, run_dir)
+    model.to("cpu").eval()
+    return FinalModel(model, tokenizer, cfg, run_dir, summary)
