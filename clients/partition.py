@@ -2,9 +2,10 @@
 
 Partitioners work on labels only (one label per example: a play, an MMLU
 super-category, an image class) and return example indices, so a task keeps its data in
-whatever form suits it. ``iid`` and ``dirichlet`` are flwr-datasets' partitioners over a
-small ``datasets.Dataset`` of (index, label); ``natural`` gives each client whole natural
-groups (client ``j`` gets groups ``j, j+N, j+2N, ...`` in the task's order).
+whatever form suits it. All three are flwr-datasets' partitioners over a small
+``datasets.Dataset`` of example indices: ``iid`` and ``dirichlet`` over the labels,
+``natural`` (``NaturalIdPartitioner``) over each example's client, which gives each client
+whole natural groups (client ``j`` gets groups ``j, j+N, j+2N, ...`` in the task's order).
 """
 
 from __future__ import annotations
@@ -48,12 +49,10 @@ def partition_indices(
     if not 0 <= partition_id < num_partitions:
         raise PartitionError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
     labels = np.asarray(labels)
-    if method == "natural":
-        order = list(natural_order) if natural_order is not None else sorted(set(labels.tolist()))
-        mine = set(natural_groups(order, num_partitions)[partition_id])
-        return np.flatnonzero(np.isin(labels, list(mine)))
-
     from datasets import Dataset
+
+    if method == "natural":
+        return _natural(labels, num_partitions, partition_id, natural_order)
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
     # a seeded shuffle first: flwr-datasets' IID partitioner takes contiguous shards
@@ -75,6 +74,25 @@ def partition_indices(
         )
     partitioner.dataset = table
     return np.sort(np.asarray(partitioner.load_partition(partition_id)["index"], dtype=np.int64))
+
+
+def _natural(labels: np.ndarray, num_partitions: int, partition_id: int, natural_order) -> np.ndarray:
+    """flwr-datasets' NaturalIdPartitioner over each example's client (its natural group's, by
+    :func:`natural_groups`; examples of groups outside ``natural_order`` belong to no client)."""
+    import contextlib
+    import io
+
+    from datasets import Dataset
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    order = list(natural_order) if natural_order is not None else sorted(set(labels.tolist()))
+    client_of = {group: j for j, groups in enumerate(natural_groups(order, num_partitions)) for group in groups}
+    clients = [client_of.get(label, num_partitions) for label in labels.tolist()]  # num_partitions: nobody's
+    partitioner = NaturalIdPartitioner(partition_by="client")
+    partitioner.dataset = Dataset.from_dict({"index": list(range(len(labels))), "client": clients})
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar, per client, for a table of labels
+        partition = partitioner.load_partition(partition_id)  # natural ids 0..N-1 sort as partition ids
+    return np.sort(np.asarray(partition["index"], dtype=np.int64))
 
 
 def public_split(labels: Sequence, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -75,10 +75,21 @@ def save_adapter(model, cfg, global_state: dict[str, np.ndarray], run_dir) -> di
     """The global LoRA adapter as a PEFT folder ``run_dir/adapter``
     (``PeftModel.from_pretrained(base, run_dir / "adapter")``). Its base model is named portably:
     ``model.path`` as the user gave it, else the embedded checkpoint's hub id (``model.hub_id``),
-    never this machine's cache path."""
+    never this machine's cache path; a random-init causal LM's own weights, saved in
+    ``run_dir/base_model``."""
     load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
+    base = cfg.model.get("path") or cfg.model.get("hub_id")
+    if base is None and cfg.model.kind == "causal_lm" and cfg.model.get("random_init"):
+        # a random-init model has no name anywhere: its weights (from the run's seed) go beside the
+        # adapter, and the adapter names that folder (AutoPeftModel loads it offline, at once)
+        from clients.models.llm import load_causal_lm
+
+        base_model, tokenizer = load_causal_lm(cfg.model, seed=int(cfg.seed))
+        base = str(run_dir / "base_model")
+        base_model.save_pretrained(base)
+        tokenizer.save_pretrained(base)
     for config in model.peft_config.values():
-        config.base_model_name_or_path = cfg.model.get("path") or cfg.model.get("hub_id")
+        config.base_model_name_or_path = base
     target = run_dir / "adapter"
     model.save_pretrained(str(target))
     return {"final_state": str(target)}

@@ -125,3 +125,36 @@ def test_a_saved_adapter_names_its_base_model_portably(tmp_path):
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert saved["r"] == cfg.algorithm.lora.r and saved["target_modules"] == ["q_proj"]
+
+
+def test_a_random_init_models_adapter_names_the_base_saved_beside_it_and_loads_with_auto_peft(tmp_path):
+    """A tiny random-init Llama has no hub name: its weights go to run_dir/base_model, which the adapter
+    names, so AutoPeftModelForCausalLM loads base + adapter offline, equal to the run's model."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    from fedapps import baselines
+    from fedapps.config import compose
+
+    cfg = compose(["num_clients=2"], preset="test")
+    plan = baselines.plan_server(cfg, on_round_end=None, config_yaml="")
+    state = {k: v + 0.01 for k, v in plan.strategy.global_state.items()}  # a non-trivial adapter
+    plan.save_final(state, tmp_path)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(tmp_path / "base_model")
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    model, _ = baselines.restore(cfg, tmp_path)
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
+
+
+def test_postcard_generate_evaluate_export_refuse_a_folder_without_a_final_model(tmp_path, capsys):
+    from postcard.final import main
+
+    assert main(["evaluate", str(tmp_path)]) == 2
+    assert "is not a Postcard run folder (no config.yaml)" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("algorithm: {name: fedavg-lora}\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "error": "ConfigError: rounds=0"}))
+    assert main(["generate", str(tmp_path), "To be"]) == 2
+    assert "holds no final model: the run is failed (ConfigError: rounds=0)" in capsys.readouterr().err

@@ -70,3 +70,17 @@ def test_train_test_split_is_disjoint_and_seeded():
     assert np.array_equal(test, train_test_split(idx, 0.2, seed=3)[1])
     with pytest.raises(PartitionError):
         train_test_split(np.arange(1), 0.2, seed=0)
+
+
+def test_natural_gives_each_client_its_whole_groups_in_the_tasks_order_and_nothing_else(capsys):
+    """flwr-datasets' NaturalIdPartitioner over each example's client: client j holds exactly the
+    examples of groups j, j+N, ... of the task's order; a group outside that order is nobody's."""
+    rng = np.random.default_rng(0)
+    labels = rng.choice(np.array(["hamlet", "macbeth", "tempest", "lear", "othello"]), size=500)
+    order = ["tempest", "hamlet", "othello", "macbeth"]  # lear: not one of the task's groups
+    for n in (1, 2, 3, 4):
+        for j, groups in enumerate(natural_groups(order, n)):
+            got = partition_indices(labels, method="natural", num_partitions=n, partition_id=j, seed=0,
+                                    natural_order=order)
+            np.testing.assert_array_equal(got, np.flatnonzero(np.isin(labels, groups)))
+    assert capsys.readouterr().err == ""  # no progress bar per client

@@ -105,7 +105,7 @@ def _design_blocks() -> dict[str, str]:
     return out
 
 
-def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monkeypatch):
+def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monkeypatch, tmp_path):
     import sys
     import types
 
@@ -136,7 +136,8 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     cfg.algorithm = OmegaConf.merge(cfg.algorithm, {"name": extra.name, "server_lr": 0.5})
     OmegaConf.set_struct(cfg, True)
 
-    strategy = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    plan = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
+    strategy = plan.strategy
     before = {k: v.copy() for k, v in strategy.global_state.items()}
     node = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
                    run_config={})
@@ -157,3 +158,12 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     new = strategy.aggregate_payloads([update], [examples])
     for key, value in new.items():
         np.testing.assert_allclose(value, before[key] + 0.5 * update[key], rtol=0, atol=1e-7)
+    # its final state is saved and restored like any LoRA method's
+    from clients.adapters import all_lora_state
+
+    plan.save_final(new, tmp_path)
+    model, _ = method.restore(cfg, tmp_path)
+    restored = {k: v.numpy() for k, v in all_lora_state(model).items()}
+    assert set(restored) == set(new)
+    for key, value in new.items():
+        np.testing.assert_array_equal(restored[key], value)

@@ -28,7 +28,19 @@ def test_baseline_learns_over_three_rounds(algorithm, outputs):
     # the final model, rebuilt from the run folder alone, scores what the run recorded
     final = load_run(summary["run_dir"])
     assert final.evaluate()["aggregate"]["perplexity"] == pytest.approx(summary["final_metric"], rel=1e-6)
-    if algorithm == "fedavg-lora":  # merged into a plain Hugging Face checkpoint: the same logits
+    if algorithm == "fedavg-lora":
+        # adapter/ is a PEFT adapter: PeftModel on the backbone gives client 0's final metric
+        from peft import PeftModel
+
+        from clients.models.llm import load_causal_lm
+        from clients.tasks import make_task
+        from clients.train import evaluate
+
+        base, tok = load_causal_lm(cfg.model, seed=int(cfg.seed))
+        peft_model = PeftModel.from_pretrained(base, f"{summary['run_dir']}/adapter")
+        metrics = evaluate(peft_model, make_task(cfg, 0, 2, tok), cfg.eval)
+        assert metrics["perplexity"] == pytest.approx(summary["final_client_metrics"]["0"], rel=1e-4)
+        # merged into a plain Hugging Face checkpoint: the same logits
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -41,15 +53,12 @@ def test_baseline_learns_over_three_rounds(algorithm, outputs):
 
 
 def test_lora_payload_sizes_follow_the_algorithm(outputs):
-    """FFA-LoRA sends B only: exactly the B half of FedAvg-LoRA's bytes for square targets."""
-    cfg = compose(["train.local_steps=1", "rounds=1", "algorithm.lora.target_modules=[q_proj,o_proj]"], preset="test")
-    full = simulate(cfg)["uplink_bytes_per_client_round"]
+    """FFA-LoRA sends B only: exactly the B half of FedAvg-LoRA's r·(d_in + d_out) fp32 values per target."""
     cfg = compose(["train.local_steps=1", "rounds=1", "algorithm.lora.target_modules=[q_proj,o_proj]"],
                   preset="test", algorithm="ffa-lora")
     b_only = simulate(cfg)["uplink_bytes_per_client_round"]
     r, hidden, layers = 8, 64, 2
-    assert full == 2 * layers * 2 * (r * hidden) * 4
-    assert b_only == full / 2
+    assert b_only == layers * 2 * (r * hidden) * 4  # FedAvg-LoRA: twice that (test_flwr_run: SmolLM2)
 
 
 @pytest.mark.parametrize("algorithm, payload, extra", [
@@ -80,19 +89,3 @@ def test_vision_full_weight_updates_learn_compressed_or_not(algorithm, payload, 
     if cfg.algorithm.eval_local:  # each client scored its own model before aggregation (the aggregation drop)
         last = read_metrics(summary["run_dir"])[-1]
         assert all(0 <= c["train_local-accuracy"] <= 1 for c in last["clients"])
-
-
-def test_the_saved_global_adapter_reproduces_the_final_evaluation(outputs):
-    """The run's adapter/ folder is a PEFT adapter: loaded on the backbone it gives the final metric."""
-    from peft import PeftModel
-
-    from clients.models.llm import load_causal_lm
-    from clients.tasks import make_task
-    from clients.train import evaluate
-
-    cfg = compose(["rounds=1", "train.local_steps=3"], preset="test")
-    summary = simulate(cfg)
-    base, tok = load_causal_lm(cfg.model, seed=int(cfg.seed))
-    model = PeftModel.from_pretrained(base, f"{summary['run_dir']}/adapter")
-    metrics = evaluate(model, make_task(cfg, 0, 2, tok), cfg.eval)
-    assert metrics["perplexity"] == pytest.approx(summary["final_client_metrics"]["0"], rel=1e-4)
