@@ -70,6 +70,42 @@ class FinalModel:
         weights = cap_weights([m[NUM_EXAMPLES] for m in per_client], robustness)
         return {"clients": per_client, "aggregate": dict(aggregate_metrics(per_client, weights))}
 
+    def items(self, progress=None) -> dict:
+        """Per held-out item of every client (the items :meth:`evaluate` scores): ``client``,
+        ``index`` (into that client's task examples), ``loss`` and, for accuracy tasks,
+        ``correct``. Kept in ``items.npz`` in the run folder (recomputed when the run's task or
+        evaluation settings differ from those it was made with)."""
+        import hashlib
+
+        import numpy as np
+        from omegaconf import OmegaConf
+
+        from clients.tasks import make_task
+        from fedapps.runner import client_count
+
+        n = client_count(self.cfg)
+        settings = {k: OmegaConf.to_container(self.cfg[k], resolve=True) for k in ("task", "eval", "partition")}
+        key = hashlib.sha256(json.dumps([settings, n, int(self.cfg.seed)], sort_keys=True).encode()).hexdigest()[:16]
+        cache = self.run_dir / "items.npz"
+        if cache.is_file():
+            with np.load(cache) as saved:
+                if str(saved["key"]) == key:
+                    return {k: saved[k] for k in saved.files if k != "key"}
+        parts = []
+        for pid in range(n):
+            task = make_task(self.cfg, pid, n, self.tokenizer)
+            scores = task.items(self.model, int(self.cfg.eval.batch_size), int(self.cfg.eval.max_batches))
+            scores["client"] = np.full(len(scores["index"]), pid, dtype=np.int64)
+            parts.append(scores)
+            if progress is not None:
+                progress(pid, n, len(scores["index"]))
+        out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        try:
+            np.savez(cache, key=key, **out)
+        except OSError:  # a read-only run folder: the items are just not kept
+            pass
+        return out
+
     def generate(self, prompt: str, max_new_tokens: int = 40, *, greedy: bool = True, seed: int = 0) -> str:
         """The model's continuation of ``prompt`` (causal LMs; greedy unless ``greedy=False``)."""
         if self.cfg.model.kind != "causal_lm":

@@ -9,6 +9,7 @@
     postcard generate RUN_DIR "To be, or not"                 # a finished run's final model: a continuation,
     postcard evaluate RUN_DIR                                 # its held-out evaluation,
     postcard export RUN_DIR merged/                           # a standalone checkpoint (postcard.final)
+    postcard compare REF_RUN RUN ...                          # paired, item by item: 95% intervals, McNemar
 
 Each run is ``flwr run`` of this app (a Flower simulation with Ray, through the checkout's
 own local SuperLink: ``postcard.superlink``; stop it with ``make stop-superlink``) with
@@ -77,6 +78,10 @@ def main() -> None:
         from postcard.pretrain import main as pretrain_main
 
         raise SystemExit(pretrain_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":  # finished runs, paired item by item
+        from postcard.compare import main as compare_main
+
+        raise SystemExit(compare_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("generate", "evaluate", "export"):  # a finished run's final model
         from postcard.final import main as final_main
 

@@ -56,6 +56,24 @@ class Task(ABC):
         for start in range(0, n, batch_size):
             yield self.collate(self.test_idx[start : min(n, start + batch_size)])
 
+    def item_scores(self, model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per held-out item of ``batch``: ``loss`` (its mean cross-entropy) and, for tasks scored by
+        accuracy, ``correct`` (0/1). A task that cannot score items one by one says so."""
+        raise TaskError(f"task {type(self).__name__} gives no per-item scores")
+
+    @torch.no_grad()
+    def items(self, model, batch_size: int, max_batches: int) -> dict[str, np.ndarray]:
+        """The items :meth:`evaluate` scores, in its order: ``index`` (into the task's examples) and
+        :meth:`item_scores` per item (a paired comparison of two models uses the same items)."""
+        n = len(self.test_idx) if max_batches <= 0 else min(len(self.test_idx), batch_size * max_batches)
+        scores: dict[str, list] = {}
+        for batch in self.test_batches(batch_size, max_batches):
+            for key, value in self.item_scores(model, batch).items():
+                scores.setdefault(key, []).append(value.detach().float().cpu().numpy())
+        out = {key: np.concatenate(parts) for key, parts in scores.items()}
+        out["index"] = np.asarray(self.test_idx[:n], dtype=np.int64)
+        return out
+
     @abstractmethod
     def evaluate(self, model, batch_size: int, max_batches: int) -> dict[str, float | int]:
         """Metrics on the client's test split: ``{metric, 'loss', 'num-examples'}``."""

@@ -66,6 +66,11 @@ class ImageTask(Task):
     def loss(self, model, batch):
         return F.cross_entropy(model(batch["x"]), batch["y"])
 
+    def item_scores(self, model, batch):
+        logits = model(batch["x"])
+        return {"correct": (logits.argmax(-1) == batch["y"]).float(),
+                "loss": F.cross_entropy(logits, batch["y"], reduction="none")}
+
     @torch.no_grad()
     def evaluate(self, model, batch_size, max_batches):
         correct, total, loss = 0, 0, 0.0

@@ -89,15 +89,22 @@ class ShakespeareTask(Task):
     def loss(self, model, batch):
         return token_loss(model, batch["input_ids"], batch["labels"], chunk_tokens=self.logit_chunk)
 
+    def item_scores(self, model, batch):
+        """Each window's mean next-token cross-entropy."""
+        losses = [token_loss(model, batch["input_ids"][i : i + 1], batch["labels"][i : i + 1],
+                             chunk_tokens=self.logit_chunk) for i in range(len(batch["input_ids"]))]
+        return {"loss": torch.stack(losses)}
+
     @torch.no_grad()
     def evaluate(self, model, batch_size, max_batches):
-        total, count = 0.0, 0
+        total, count, windows = 0.0, 0, 0
         for batch in self.test_batches(batch_size, max_batches):
             total += token_loss(model, batch["input_ids"], batch["labels"], chunk_tokens=self.logit_chunk,
                                 reduction="sum").item()
             count += batch["labels"].numel()
+            windows += len(batch["labels"])
         loss = total / count
-        return {"perplexity": math.exp(min(loss, 50.0)), "loss": loss, "num-examples": count // self.windows.shape[1]}
+        return {"perplexity": math.exp(min(loss, 50.0)), "loss": loss, "num-examples": windows}
 
 
 # --------------------------------------------------------------------------- MMLU
@@ -188,6 +195,12 @@ class MMLUTask(Task):
         """Cross-entropy of the answer letter's token over the whole vocabulary."""
         full, _ = self._letter_logits(model, batch)
         return F.cross_entropy(full.float(), self.letter_ids[batch["answer"]])
+
+    def item_scores(self, model, batch):
+        """Each question: its answer right (1) or not, and the cross-entropy over the four letters."""
+        _, four = self._letter_logits(model, batch)
+        return {"correct": (four.argmax(-1) == batch["answer"]).float(),
+                "loss": F.cross_entropy(four.float(), batch["answer"], reduction="none")}
 
     @torch.no_grad()
     def evaluate(self, model, batch_size, max_batches):
