@@ -7,7 +7,9 @@ This submits the run (``flwr run ... --format json``, which prints its run id), 
 logs (``flwr log RUN_ID --stream``), then reads its status from the SuperLink
 (``flwr ls --run-id RUN_ID --format json``) and exits 0 for ``finished:completed``, 1 for a
 failed or stopped run (with Flower's status details and, when the run folder says why,
-Postcard's error), 2 when the run could not be submitted.
+Postcard's error), 2 when the run could not be submitted — a configuration of this app that
+its server would refuse (a bad key or value, num-supernodes other than num_clients) is
+refused here at once, in one line, before anything is submitted.
 
 The run goes to the local SuperLink of ``$FLWR_HOME`` (by default the checkout's ``.flwr``) on
 that folder's own ports (``postcard.superlink``), so two checkouts never share one.
@@ -58,10 +60,44 @@ def run_status(flwr: str, run_id: str, env: dict[str, str], timeout: float = 60.
         time.sleep(1.0)
 
 
+def _values(args: list[str], option: str) -> list[str]:
+    return [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == option]
+
+
+def precheck(args: list[str]) -> str | None:
+    """Postcard's configuration checks before anything is submitted (the server makes them again):
+    the reason, naming the fix, when the run config of this app would be refused; else None."""
+    if not args or Path(args[0]).expanduser().resolve() != ROOT:
+        return None  # another app: its own server checks it
+    from flwr.common.config import parse_config_args
+
+    from fedapps.config import ConfigError, compose_from_run_config, finalize
+    from fedapps.runner import client_count
+
+    try:
+        run_config = parse_config_args(_values(args, "--run-config"))
+        federation = parse_config_args(_values(args, "--federation-config"))
+    except Exception:  # noqa: BLE001 - malformed for Flower: `flwr run` says how
+        return None
+    try:
+        cfg = finalize(compose_from_run_config(run_config))
+    except ConfigError as err:
+        return str(err)
+    wanted, given = client_count(cfg), federation.get("num-supernodes")
+    if given is not None and int(given) != wanted:
+        return (f"--federation-config num-supernodes={given} but the run has num_clients={wanted}: pass "
+                f"num-supernodes={wanted}, or set num_clients={given} (overrides='num_clients={given}')")
+    return None
+
+
 def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, label: str = "postcard.app_run") -> int:
     """``flwr run *args`` (submitted, its logs streamed), through this FLWR_HOME's own local SuperLink
     (``postcard.superlink``); 0 when Flower reports the run ``finished:completed``, 1 when it failed
     or was stopped, 2 when it could not be submitted."""
+    refused = precheck(args)
+    if refused:
+        print(f"{label}: {refused}", file=sys.stderr)
+        return 2
     env = flower_env() if env is None else env
     try:
         check_free(env)

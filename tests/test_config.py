@@ -159,3 +159,19 @@ def test_a_refused_run_is_logged_in_one_line_under_flower_and_other_errors_keep_
     lines = stream.getvalue().splitlines()
     assert lines[0] == "ServerApp raised an exception: unknown config key 'train.lrr'; did you mean 'train.lr'"
     assert lines[1] == "ServerApp raised an exception" and lines[2].startswith("Traceback")
+
+
+def test_app_run_refuses_what_the_server_would_refuse_before_submitting(tmp_path):
+    from postcard.app_run import ROOT, precheck
+
+    assert precheck([str(ROOT), "--run-config", "preset='test' overrides='train.lrr=1'"]) == \
+        "unknown config key 'train.lrr'; did you mean 'train.lr' or 'train.threads'?"
+    assert "unknown algorithm 'fedsgd'" in precheck([str(ROOT), "--run-config", "algorithm='fedsgd'"])
+    assert precheck([str(ROOT), "--federation-config", "num-supernodes=3", "--run-config", "preset='test'"]) == (
+        "--federation-config num-supernodes=3 but the run has num_clients=2: pass num-supernodes=2, or set "
+        "num_clients=3 (overrides='num_clients=3')")
+    toml = tmp_path / "run.toml"  # the `postcard` CLI passes its run config as a file
+    toml.write_text('preset = "test"\noverrides = "rounds=0"\n')
+    assert "rounds" in precheck([str(ROOT), "--run-config", str(toml)])
+    assert precheck([str(ROOT), "--federation-config", "num-supernodes=2", "--run-config", "preset='test'"]) is None
+    assert precheck([str(tmp_path), "--run-config", "algorithm='fedsgd'"]) is None  # another app: its own checks

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,9 @@ def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
 
 
 def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experiment(tmp_path):
-    """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 1 (0 when it completes).
-    The completed configuration, run again by `postcard`'s simulation, gives the same metrics."""
+    """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 2 for a refused configuration
+    (at once), 1 for a failed run, 0 when it completes. The completed configuration, run again by the
+    in-process simulation (fedapps.simulation, what the benchmarks use), gives the same metrics."""
     flwr_home = tmp_path / "flwr-home"
     env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     federation = ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
@@ -65,10 +67,18 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
                               timeout=600)
 
     try:
-        failed = app_run(f"preset='test' overrides='rounds=1 train.lrr=1' output-dir='{out}'")
+        # a configuration the server would refuse is refused before anything is submitted
+        start = time.time()
+        refused = app_run(f"preset='test' overrides='rounds=1 train.lrr=1' output-dir='{out}'")
+        assert refused.returncode == 2 and time.time() - start < 30, (refused.stdout + refused.stderr)[-3000:]
+        assert refused.stderr.strip() == ("postcard.app_run: unknown config key 'train.lrr'; did you mean "
+                                          "'train.lr' or 'train.threads'?")
+        # a run its server refuses (SmartFed without a pool): Flower reports it failed, in one line
+        failed = app_run(f"algorithm='smartfed' preset='test' output-dir='{out}' "
+                         f"overrides='rounds=1 algorithm.pool={tmp_path / 'no-pool'}'")
         assert failed.returncode == 1, (failed.stdout + failed.stderr)[-3000:]
         assert "finished:failed" in failed.stderr
-        assert "unknown config key 'train.lrr'; did you mean 'train.lr'" in failed.stdout + failed.stderr
+        assert "no knowledge pool at" in failed.stdout + failed.stderr
         assert "Traceback" not in failed.stdout + failed.stderr  # one line, not Flower's traceback of the ServerApp
         assert not out.exists()  # refused before any run folder
         done = app_run(f"preset='test' overrides='rounds=1 train.local_steps=2' output-dir='{out}'")
@@ -79,7 +89,7 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         assert summary["status"] == "completed"
     finally:
         stop_superlinks(flwr_home)
-    # the same configuration through `postcard`'s in-process simulation: the same experiment
+    # the same configuration through the in-process simulation: the same experiment
     from fedapps.config import compose
     from fedapps.simulation import simulate
 
