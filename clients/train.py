@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Mapping
 from logging import INFO
 
 import numpy as np
@@ -137,6 +138,19 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return params
 
 
+def parameter_groups(model, lr: float, lr_by_name: Mapping[str, float] | None = None) -> list[dict]:
+    """The optimiser's parameter groups: a trainable parameter whose name contains a key of
+    ``lr_by_name`` (the first such key, in its order) trains at that learning rate, the rest at ``lr``."""
+    trainable_parameters(model)  # at least one
+    patterns = list((lr_by_name or {}).items())
+    groups: dict[float, list] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            rate = next((float(r) for pattern, r in patterns if pattern in name), float(lr))
+            groups.setdefault(rate, []).append(param)
+    return [{"params": params, "lr": rate} for rate, params in groups.items()]
+
+
 class TrainHooks:
     """What a method adds to :func:`local_train`'s loop, so that every method trains in the one
     loop (and gets its memory options): an objective ``data_weight · loss + penalty()`` and
@@ -184,6 +198,7 @@ def local_train(
     steps: int | None = None,
     proximal_mu: float = 0.0,
     reference: dict[str, torch.Tensor] | None = None,
+    lr_by_name: Mapping[str, float] | None = None,
 ) -> dict[str, float | int]:
     """Run ``steps`` (default ``train_cfg.local_steps``) AdamW steps on the client's training split.
 
@@ -191,15 +206,17 @@ def local_train(
     so a round is a deterministic function of (global state, data, seed). ``hooks`` add a
     method's terms to the loss and observe each step (:class:`TrainHooks`); with
     ``proximal_mu > 0`` the FedProx term over the ``reference`` tensors (the global values
-    received this round) is the hook.
+    received this round) is the hook. ``lr_by_name``: learning rates of their own for the
+    parameters whose names contain its keys (:func:`parameter_groups`).
     """
     torch.set_num_threads(max(1, int(train_cfg.get("threads", 1))))
-    params = trainable_parameters(model)
+    groups = parameter_groups(model, float(train_cfg.lr), lr_by_name)
+    params = [p for group in groups for p in group["params"]]
     if proximal_mu > 0:
         if hooks is not None:
             raise TrainingError("pass either proximal_mu or hooks, not both")
         hooks = Proximal(model, proximal_mu, reference)
-    optimizer = torch.optim.AdamW(params, lr=float(train_cfg.lr), weight_decay=float(train_cfg.get("weight_decay", 0.0)))
+    optimizer = torch.optim.AdamW(groups, weight_decay=float(train_cfg.get("weight_decay", 0.0)))
     rng = np.random.default_rng(seed)
     losses = []
     start = time.perf_counter()

@@ -163,6 +163,22 @@ def _check_numbers(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {'>' if kind is float else '>='} {low}, got {value!r}")
 
 
+def _check_learning_rates(algorithm) -> None:
+    """``algorithm.lr`` (a method's learning rates of its own, by parameter kind): each null or > 0."""
+    rates = algorithm.get("lr")
+    if rates is None:
+        return
+    for key, value in rates.items():
+        if value is None:
+            continue
+        try:
+            ok = not isinstance(value, bool) and float(value) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"algorithm.lr.{key} must be null (= train.lr) or a number > 0, got {value!r}")
+
+
 def compose_from_run_config(run_config: Mapping[str, object]) -> DictConfig:
     """Flower ``context.run_config`` (pyproject keys + ``--run-config``) -> composed config."""
     unknown = sorted(set(run_config) - set(RUN_CONFIG_KEYS))
@@ -197,6 +213,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
                           f"use fedavg-full for '{cfg.model.name}'")
     _check_uplink(cfg.algorithm)
+    _check_learning_rates(cfg.algorithm)
     if cfg.get("tracking") not in (None, "tensorboard"):
         raise ConfigError(f"tracking must be null or tensorboard, got {cfg.get('tracking')!r}")
     _check_partition(cfg.partition)

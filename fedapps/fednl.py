@@ -103,11 +103,28 @@ def prepare(cfg):
     add_delta_memory(model, memory_config(cfg))
     model = apply_lora(model, lora, seed=int(cfg.seed))
     trainable = mark_trainable(model)  # after PEFT, which froze the gate and β
+    if cfg.algorithm.get("ablate_memory", False):  # α = 0 exactly: the backbone's attention (+ LoRA), bit for bit
+        for name, param in model.named_parameters():
+            if name.endswith("fednl_gate"):
+                with torch.no_grad():
+                    param.fill_(ABLATED_GATE_LOGIT)
+                param.requires_grad_(False)
+        trainable = [n for n in trainable if not n.endswith("fednl_gate")]
     names = meta_rule_names(model, mode)
     sent = set(names)
     local = [n for n in trainable if n not in sent]
     extra = {"names": names, "local_names": local, "local_init": federated_state(model, local), "mode": mode}
     return model, tokenizer, extra
+
+
+ABLATED_GATE_LOGIT = -100.0  # sigmoid(-100) is 0 in float32: the memory path contributes nothing
+LR_PATTERNS = {"gate": "fednl_gate", "beta": "fednl_beta", "lora": "lora_"}  # algorithm.lr key -> parameter names
+
+
+def learning_rates(cfg) -> dict[str, float]:
+    """``algorithm.lr`` (gate, beta, lora; null = train.lr) as :func:`clients.train.local_train`'s ``lr_by_name``."""
+    rates = cfg.algorithm.get("lr") or {}
+    return {LR_PATTERNS[k]: float(v) for k, v in rates.items() if v is not None}
 
 
 def load_theta(model, arrays) -> dict[str, torch.Tensor]:
@@ -159,7 +176,7 @@ def train(call: ClientCall) -> Update:
     cfg, s = call.cfg, call.session
     load_theta(s.model, call.arrays)
     restore_local(s, call.context)
-    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed)
+    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed, lr_by_name=learning_rates(cfg))
     metrics.update(gate_metrics(s.model))
     if cfg.algorithm.get("eval_local", False):
         metrics.update(local_metrics(s.model, s.task, cfg.eval))

@@ -387,3 +387,46 @@ def test_fednl_on_niah_runs_and_reports_accuracy_per_length(outputs):
     assert summary["refused_replies"] == 0
     assert {"accuracy", "accuracy-640", "accuracy-768"} <= set(final["eval"])
     assert all(0.0 <= c["eval_accuracy"] <= 1.0 for c in final["clients"])
+
+
+def test_the_memory_ablation_is_the_backbone_bit_for_bit_and_trains_everything_but_the_gate():
+    """algorithm.ablate_memory: α = 0 exactly and frozen (the memory path adds nothing), the rest of θ as
+    in FedNL: the model's output is the backbone's (+ its zero-initialised LoRA), bit for bit."""
+    from clients.train import local_train
+
+    cfg = fednl_cfg("algorithm.ablate_memory=true", "train.local_steps=2")
+    model, tok, extra = fednl.prepare(cfg)
+    backbone, _ = build_model(cfg)
+    ids = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, backbone(ids).logits)
+    assert fednl.gate_metrics(model)["gate-alpha-max"] == 0.0
+    gates = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("fednl_gate")}
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    assert gates and all(not p.requires_grad for n, p in model.named_parameters() if n in gates)
+    assert set(gates) <= set(extra["names"])  # still in θ (fixed), so payloads keep FedNL's layout
+    local_train(model, make_task(cfg, 0, 2, tok), cfg.train, seed=0)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], v) for n, v in gates.items())
+    assert any(not torch.equal(params[n], v) for n, v in lora.items())
+
+
+def test_separate_learning_rates_for_the_gate_beta_and_lora():
+    from clients.train import parameter_groups
+
+    cfg = fednl_cfg("algorithm.lr.gate=0.05", "algorithm.lr.beta=0.01")
+    assert fednl.learning_rates(cfg) == {"fednl_gate": 0.05, "fednl_beta": 0.01}
+    model, _, _ = fednl.prepare(cfg)
+    groups = {g["lr"]: g["params"] for g in parameter_groups(model, float(cfg.train.lr), fednl.learning_rates(cfg))}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(groups) == sorted([0.05, 0.01, float(cfg.train.lr)])
+    assert all(names[id(p)].endswith("fednl_gate") for p in groups[0.05])
+    assert all("fednl_beta" in names[id(p)] for p in groups[0.01])
+    assert all("lora_" in names[id(p)] for p in groups[float(cfg.train.lr)])
+    # one learning rate: one group, in the parameters' own order (the optimiser as before)
+    (single,) = parameter_groups(model, 1e-3)
+    assert [id(p) for p in single["params"]] == [id(p) for p in model.parameters() if p.requires_grad]
+    from fedapps.config import ConfigError, finalize
+
+    with pytest.raises(ConfigError, match=r"algorithm.lr.gate must be null \(= train.lr\) or a number > 0"):
+        finalize(fednl_cfg("algorithm.lr.gate=-1"))
