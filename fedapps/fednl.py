@@ -42,7 +42,8 @@ from clients.fednl import (
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.method import ClientCall, Method, ServerPlan, Update, final_file, strategy_settings
+from fedapps.method import (ClientCall, Method, ServerPlan, Update, final_file, learning_rates,
+                            strategy_settings)
 from strategies import codec
 from strategies.fednl import FedNL, gate_alpha
 
@@ -121,12 +122,6 @@ ABLATED_GATE_LOGIT = -100.0  # sigmoid(-100) is 0 in float32: the memory path co
 LR_PATTERNS = {"gate": "fednl_gate", "beta": "fednl_beta", "lora": "lora_"}  # algorithm.lr key -> parameter names
 
 
-def learning_rates(cfg) -> dict[str, float]:
-    """``algorithm.lr`` (gate, beta, lora; null = train.lr) as :func:`clients.train.local_train`'s ``lr_by_name``."""
-    rates = cfg.algorithm.get("lr") or {}
-    return {LR_PATTERNS[k]: float(v) for k, v in rates.items() if v is not None}
-
-
 def load_theta(model, arrays) -> dict[str, torch.Tensor]:
     """Decode a θ ArrayRecord (validated by the codec) into the model's parameters."""
     state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
@@ -176,7 +171,7 @@ def train(call: ClientCall) -> Update:
     cfg, s = call.cfg, call.session
     load_theta(s.model, call.arrays)
     restore_local(s, call.context)
-    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed, lr_by_name=learning_rates(cfg))
+    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed, lr_by_name=learning_rates(cfg, LR_PATTERNS))
     metrics.update(gate_metrics(s.model))
     if cfg.algorithm.get("eval_local", False):
         metrics.update(local_metrics(s.model, s.task, cfg.eval))

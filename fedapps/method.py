@@ -98,6 +98,14 @@ def final_file(run_dir, name: str):
     return path
 
 
+def learning_rates(cfg, patterns: dict[str, str]) -> dict[str, float]:
+    """A method's ``algorithm.lr`` (``{kind: lr or null}``; null = ``train.lr``) as
+    :func:`clients.train.local_train`'s ``lr_by_name``, through ``patterns`` (kind -> a part of
+    the parameters' names)."""
+    rates = cfg.algorithm.get("lr") or {}
+    return {patterns[k]: float(v) for k, v in rates.items() if v is not None}
+
+
 def round_seed(cfg, server_round: int, partition_id: int) -> int:
     return int(cfg.seed) * 1_000_003 + server_round * 1_009 + partition_id
 

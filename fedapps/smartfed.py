@@ -46,7 +46,8 @@ from clients.smartfed.more import (
 from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_descriptor, backbone_fingerprint, default_pool_dir
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
-from fedapps.method import ClientCall, Method, ServerPlan, Update, final_file, strategy_settings
+from fedapps.method import (ClientCall, Method, ServerPlan, Update, final_file, learning_rates,
+                            strategy_settings)
 from fedapps.session import ClientSetupError
 from strategies import codec, sparse
 from strategies.eeqa import EEQA
@@ -94,12 +95,16 @@ def _receive(call: ClientCall) -> dict[str, np.ndarray]:
         raise ClientSetupError(str(err)) from None
 
 
+LR_PATTERNS = {"experts": "expert_", "router": "router"}  # algorithm.lr key -> MoRE parameter names
+
+
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
     ids = _receive(call)
     model = call.session.model
     before = active_state(model)
-    metrics = local_train(model, call.session.task, call.cfg.train, seed=call.seed)
+    metrics = local_train(model, call.session.task, call.cfg.train, seed=call.seed,
+                          lr_by_name=learning_rates(call.cfg, LR_PATTERNS))
     update = sparse.delta(active_state(model), before) | importance_state(model)
     update = to_layout_ids(update, ids)
     metrics.update(

@@ -415,9 +415,12 @@ def test_separate_learning_rates_for_the_gate_beta_and_lora():
     from clients.train import parameter_groups
 
     cfg = fednl_cfg("algorithm.lr.gate=0.05", "algorithm.lr.beta=0.01")
-    assert fednl.learning_rates(cfg) == {"fednl_gate": 0.05, "fednl_beta": 0.01}
+    from fedapps.method import learning_rates
+
+    rates = learning_rates(cfg, fednl.LR_PATTERNS)
+    assert rates == {"fednl_gate": 0.05, "fednl_beta": 0.01}
     model, _, _ = fednl.prepare(cfg)
-    groups = {g["lr"]: g["params"] for g in parameter_groups(model, float(cfg.train.lr), fednl.learning_rates(cfg))}
+    groups = {g["lr"]: g["params"] for g in parameter_groups(model, float(cfg.train.lr), rates)}
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(groups) == sorted([0.05, 0.01, float(cfg.train.lr)])
     assert all(names[id(p)].endswith("fednl_gate") for p in groups[0.05])

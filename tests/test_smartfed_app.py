@@ -379,3 +379,27 @@ def test_smartfed_learns_over_three_rounds(tiny_pool, mode, outputs):
 
         final = load_run(summary["run_dir"])  # the same, as one call, over every client's split
         assert final.evaluate()["aggregate"]["perplexity"] == pytest.approx(summary["final_metric"], rel=1e-4)
+
+
+def test_experts_and_routers_get_learning_rates_of_their_own(tiny):
+    from clients.smartfed.more import load_mixture
+    from clients.train import parameter_groups
+    from fedapps.method import learning_rates
+    from fedapps.smartfed import LR_PATTERNS
+
+    _, model, _ = tiny
+    model = copy.deepcopy(model)
+    q = "model.layers.1.self_attn.q_proj"
+    rng = np.random.default_rng(1)
+    load_mixture(model, {f"{q}/ids": np.array([3, 17], np.float32), f"{q}/router": np.zeros((2, 64), np.float32),
+                         f"{q}/A": rng.normal(size=(2, 64)).astype(np.float32),
+                         f"{q}/B": rng.normal(size=(2, 64)).astype(np.float32)}, MoREConfig(top_k=2))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["lr"]: sorted(names[id(p)].rsplit(".", 1)[-1] for p in g["params"])
+              for g in parameter_groups(model, 3e-4, {"expert_": 1e-3, "router": 3e-2})}
+    assert groups == {1e-3: ["expert_A", "expert_B"], 3e-2: ["router"]}
+
+    cfg = compose(["algorithm.lr.router=0.03"], algorithm="smartfed", preset="test")
+    assert learning_rates(cfg, LR_PATTERNS) == {"router": 0.03}
+    cfg = compose(["algorithm.lr.experts=0.001", "algorithm.lr.router=0.03"], algorithm="smartfed", preset="test")
+    assert learning_rates(cfg, LR_PATTERNS) == {"expert_": 0.001, "router": 0.03}
