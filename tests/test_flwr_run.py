@@ -54,7 +54,7 @@ def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
 
 def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experiment(tmp_path):
     """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 2 for a refused configuration
-    (at once), 1 for a failed run, 0 when it completes. The completed configuration, run again by the
+    (at once), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes. The completed configuration, run again by the
     in-process simulation (fedapps.simulation, what the benchmarks use), gives the same metrics."""
     flwr_home = tmp_path / "flwr-home"
     env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
@@ -73,9 +73,11 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         assert refused.returncode == 2 and time.time() - start < 30, (refused.stdout + refused.stderr)[-3000:]
         assert refused.stderr.strip() == ("postcard.app_run: unknown config key 'train.lrr'; did you mean "
                                           "'train.lr' or 'train.threads'?")
-        # a run its server refuses (SmartFed without a pool): Flower reports it failed, in one line
-        failed = app_run(f"algorithm='smartfed' preset='test' output-dir='{out}' "
-                         f"overrides='rounds=1 algorithm.pool={tmp_path / 'no-pool'}'")
+        # a run its server refuses (SmartFed without a pool): Flower reports it failed, in one line, and
+        # `postcard` (which submits through postcard.app_run) exits 1
+        failed = subprocess.run([sys.executable, "-m", "postcard.cli", "algorithm=smartfed", "preset=test",
+                                 "rounds=1", f"algorithm.pool={tmp_path / 'no-pool'}", f"output_dir={out}"],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert failed.returncode == 1, (failed.stdout + failed.stderr)[-3000:]
         assert "finished:failed" in failed.stderr
         assert "no knowledge pool at" in failed.stdout + failed.stderr

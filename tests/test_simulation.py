@@ -10,7 +10,7 @@ from fedapps.simulation import simulate
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg-lora", "fedprox", "ffa-lora", "fedavg-full"])
+@pytest.mark.parametrize("algorithm", ["fedavg-lora", "ffa-lora", "fedavg-full"])  # fedprox: test_strategy (its term)
 def test_baseline_learns_over_three_rounds(algorithm, outputs):
     cfg = compose(preset="test", algorithm=algorithm)
     summary = simulate(cfg)

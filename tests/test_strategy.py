@@ -146,3 +146,34 @@ def test_config_goes_once_per_node_and_downlink_bytes_are_recorded():
     assert not any(CONFIG_RECORD in m.content.config_records for m in second)
     assert records[0]["clients"][0]["train_downlink_payload_bytes"] == 256
     assert records[0]["clients"][0]["uplink_payload_bytes"] == 256
+
+
+def test_fedprox_penalty_is_half_mu_times_the_squared_distance_and_holds_training_near_the_reference():
+    import torch
+
+    from clients.train import Proximal, local_train
+    from clients.tasks import make_task
+    from fedapps import baselines
+    from fedapps.config import compose
+
+    cfg = compose(["train.local_steps=3", "train.lr=0.05"], preset="test", algorithm="fedprox")
+    moved = {}
+    for mu in (0.0, 50.0):
+        model, tok, extra = baselines.prepare(cfg)
+        reference = {n: p.detach().clone() for n, p in model.named_parameters() if n in extra["names"]}
+        if mu:
+            hook = Proximal(model, mu, reference)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name in reference:
+                        param.add_(0.1)
+                expected = 0.5 * mu * sum(0.01 * v.numel() for v in reference.values())
+                assert float(hook.penalty()) == pytest.approx(expected, rel=1e-4)
+                for name, param in model.named_parameters():
+                    if name in reference:
+                        param.sub_(0.1)
+        local_train(model, make_task(cfg, 0, 2, tok), cfg.train, seed=0, proximal_mu=mu,
+                    reference=reference if mu else None)
+        params = dict(model.named_parameters())
+        moved[mu] = sum(float(((params[n] - v) ** 2).sum()) for n, v in reference.items())
+    assert 0 < moved[50.0] < moved[0.0]  # the proximal term pulls the weights back towards the reference
