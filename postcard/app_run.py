@@ -90,11 +90,13 @@ def precheck(args: list[str]) -> str | None:
     return None
 
 
-def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, label: str = "postcard.app_run") -> int:
+def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, label: str = "postcard.app_run",
+            check: bool = True) -> int:
     """``flwr run *args`` (submitted, its logs streamed), through this FLWR_HOME's own local SuperLink
     (``postcard.superlink``); 0 when Flower reports the run ``finished:completed``, 1 when it failed
-    or was stopped, 2 when it could not be submitted."""
-    refused = precheck(args)
+    or was stopped, 2 when it could not be submitted. ``check``: :func:`precheck` first (``postcard``
+    has composed and checked its configuration already)."""
+    refused = precheck(args) if check else None
     if refused:
         print(f"{label}: {refused}", file=sys.stderr)
         return 2
@@ -159,7 +161,7 @@ def run_composed(cfg, overrides: list[str]) -> tuple[int, dict]:
         path = Path(folder) / "run-config.toml"  # a file: no quoting of values for the command line
         path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in run_config.items()))
         status = run_app([str(ROOT), "--federation-config", federation, "--run-config", str(path)], cwd=ROOT,
-                         label="postcard")
+                         label="postcard", check=False)
     runs = sorted(root.glob(f"{name}*/summary.json"), key=lambda p: p.stat().st_mtime)
     return status, (json.loads(runs[-1].read_text()) if runs else {})
 
