@@ -46,21 +46,26 @@ class FinalModel:
     run_dir: Path
     summary: dict
 
+    def _client_tasks(self):
+        """(partition id, number of clients, task) for each client's held-out split, as in the run."""
+        from clients.tasks import make_task
+        from fedapps.runner import client_count
+
+        n = client_count(self.cfg)
+        for pid in range(n):
+            yield pid, n, make_task(self.cfg, pid, n, self.tokenizer)
+
     def evaluate(self, progress=None) -> dict:
         """The run's evaluation of this model: each client's held-out split (``eval.*`` as in the run),
         aggregated as the server does (weighted by examples, capped by ``robust``). Returns
         ``{"clients": [metrics per partition], "aggregate": {...}}``."""
-        from clients.tasks import make_task
         from clients.train import evaluate as evaluate_model
-        from fedapps.runner import client_count
         from strategies.base import NUM_EXAMPLES, aggregate_metrics
         from strategies.robust import Robustness, cap_weights
         from omegaconf import OmegaConf
 
-        n = client_count(self.cfg)
         per_client = []
-        for pid in range(n):
-            task = make_task(self.cfg, pid, n, self.tokenizer)
+        for pid, n, task in self._client_tasks():
             metrics = evaluate_model(self.model, task, self.cfg.eval)
             metrics["partition-id"] = pid
             per_client.append(metrics)
@@ -80,7 +85,6 @@ class FinalModel:
         import numpy as np
         from omegaconf import OmegaConf
 
-        from clients.tasks import make_task
         from fedapps.runner import client_count
 
         n = client_count(self.cfg)
@@ -92,8 +96,7 @@ class FinalModel:
                 if str(saved["key"]) == key:
                     return {k: saved[k] for k in saved.files if k != "key"}
         parts = []
-        for pid in range(n):
-            task = make_task(self.cfg, pid, n, self.tokenizer)
+        for pid, n, task in self._client_tasks():
             scores = task.items(self.model, int(self.cfg.eval.batch_size), int(self.cfg.eval.max_batches))
             scores["client"] = np.full(len(scores["index"]), pid, dtype=np.int64)
             parts.append(scores)
@@ -162,12 +165,27 @@ def load_run(run_dir: str | Path) -> FinalModel:
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.yaml"
     if not config_path.is_file():
         raise FinalStateError(f"{run_dir} is not a Postcard run folder (no config.yaml)")
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FinalStateError(f"{summary_path} cannot be read ({err})") from err
+    if not isinstance(summary, dict):
+        raise FinalStateError(f"{summary_path} is not a run summary (a JSON object)")
     if summary.get("status") != "completed":
         state = summary.get("status", "not finished")
         raise FinalStateError(f"{run_dir} holds no final model: the run is {state}"
                               + (f" ({summary['error']})" if summary.get("error") else ""))
-    cfg = from_yaml(config_path.read_text())
-    model, tokenizer = registry.get(str(cfg.algorithm.name)).restore(cfg, run_dir)
+    try:
+        cfg = from_yaml(config_path.read_text())
+    except Exception as err:  # noqa: BLE001 - any parse failure means the same to the user
+        raise FinalStateError(f"{config_path} cannot be read as a run configuration ({type(err).__name__}: {err})") \
+            from err
+    try:
+        model, tokenizer = registry.get(str(cfg.algorithm.name)).restore(cfg, run_dir)
+    except FinalStateError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file: say so, not a deep traceback
+        raise FinalStateError(f"{run_dir}: the final state cannot be read into this run's model "
+                              f"({type(err).__name__}: {err})") from err
     model.to("cpu").eval()
     return FinalModel(model, tokenizer, cfg, run_dir, summary)

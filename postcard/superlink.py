@@ -88,6 +88,8 @@ def running(home: str | Path) -> list[int]:
 def check_free(env: Mapping[str, str]) -> None:
     """Refuse, in one line, a local SuperLink on ``env``'s ports that belongs to another FLWR_HOME."""
     home = flwr_home(env)
+    # Flower's defaults when the variables are unset (flwr.cli.constant reads the variables at
+    # import, so its constants are this process's values, not the defaults).
     ports = {str(env.get(HTTP_PORT_VAR, "39091")), str(env.get(CONTROL_PORT_VAR, "39093"))}
     for _, cmdline in _superlinks():
         other = _home_of(cmdline)

@@ -42,6 +42,11 @@ def test_chunked_loss_and_gradients_equal_the_full_logits(tiny, chunk):
     with torch.no_grad():
         total = token_loss(tiny, ids, labels, chunk_tokens=chunk, reduction="sum")
     torch.testing.assert_close(total, full.detach() * labels.numel(), rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        per_token = token_loss(tiny, ids, labels, chunk_tokens=chunk, reduction="none")
+        reference_tokens = F.cross_entropy(tiny(input_ids=ids).logits.flatten(0, 1).float(), labels.flatten(),
+                                           reduction="none").view(labels.shape)
+    torch.testing.assert_close(per_token, reference_tokens, rtol=1e-5, atol=1e-5)
 
 
 def test_the_full_logits_never_exist_only_chunks_of_them(tiny):
@@ -91,4 +96,4 @@ def test_position_logits_are_the_full_logits_at_those_positions_with_right_paddi
 def test_a_bad_reduction_is_refused(tiny):
     ids, labels = batch(tiny.config.vocab_size, rows=1, tokens=4)
     with pytest.raises(ValueError, match="reduction"):
-        token_loss(tiny, ids, labels, reduction="none")
+        token_loss(tiny, ids, labels, reduction="max")

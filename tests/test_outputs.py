@@ -3,6 +3,8 @@
 import csv
 import json
 
+import pytest
+
 from fedapps.outputs import comparison_curves, swept_keys, write_comparison
 
 
@@ -147,6 +149,20 @@ def test_a_random_init_models_adapter_names_the_base_saved_beside_it_and_loads_w
     ids = torch.arange(1, 17)[None]
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
+    # a truncated adapter is a clear FinalStateError, not a deep traceback
+    from fedapps.config import to_yaml
+    from fedapps.final import load_run
+    from fedapps.method import FinalStateError
+
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed"}))
+    adapter = tmp_path / "adapter" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    with pytest.raises(FinalStateError, match="the final state cannot be read into this run's model"):
+        load_run(tmp_path)
+    (tmp_path / "summary.json").write_text("{not json")
+    with pytest.raises(FinalStateError, match="summary.json cannot be read"):
+        load_run(tmp_path)
 
 
 def test_postcard_generate_evaluate_export_refuse_a_folder_without_a_final_model(tmp_path, capsys):

@@ -142,27 +142,33 @@ def position_logits(model, input_ids, attention_mask, positions) -> torch.Tensor
     return head(hidden[rows, positions])
 
 
-def _chunk_loss(head, hidden, labels):
-    return torch.nn.functional.cross_entropy(head(hidden).float(), labels, reduction="sum")
+def _chunk_loss(head, hidden, labels, reduction="sum"):
+    return torch.nn.functional.cross_entropy(head(hidden).float(), labels, reduction=reduction)
 
 
 def token_loss(model, input_ids, labels, *, chunk_tokens: int = 256, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross-entropy of ``labels`` (``[batch, tokens]``) over the full vocabulary,
-    ``mean`` or ``sum``; with ``chunk_tokens > 0`` the output layer and the loss run on that
-    many tokens at a time (their logits recomputed in backward), else on all logits at once."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be mean or sum, got {reduction!r}")
+    ``mean``, ``sum`` or ``none`` (each token's, shaped like ``labels``); with
+    ``chunk_tokens > 0`` the output layer and the loss run on that many tokens at a time (their
+    logits recomputed in backward), else on all logits at once."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
     decoder, head = decoder_and_head(model) if chunk_tokens > 0 else (None, None)
     if decoder is None:
         logits = model(input_ids=input_ids).logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
+        return loss.view(labels.shape) if reduction == "none" else loss
     from torch.utils.checkpoint import checkpoint
 
     hidden = decoder(input_ids=input_ids).last_hidden_state.flatten(0, 1)
     flat = labels.flatten()
-    total = None
+    parts = []
     for start in range(0, flat.numel(), int(chunk_tokens)):
-        piece = (head, hidden[start : start + chunk_tokens], flat[start : start + chunk_tokens])
-        part = checkpoint(_chunk_loss, *piece, use_reentrant=False) if torch.is_grad_enabled() else _chunk_loss(*piece)
-        total = part if total is None else total + part
+        piece = (head, hidden[start : start + chunk_tokens], flat[start : start + chunk_tokens],
+                 "none" if reduction == "none" else "sum")
+        parts.append(checkpoint(_chunk_loss, *piece, use_reentrant=False) if torch.is_grad_enabled()
+                     else _chunk_loss(*piece))
+    if reduction == "none":
+        return torch.cat(parts).view(labels.shape)
+    total = torch.stack(parts).sum()
     return total / flat.numel() if reduction == "mean" else total

@@ -90,10 +90,9 @@ class ShakespeareTask(Task):
         return token_loss(model, batch["input_ids"], batch["labels"], chunk_tokens=self.logit_chunk)
 
     def item_scores(self, model, batch):
-        """Each window's mean next-token cross-entropy."""
-        losses = [token_loss(model, batch["input_ids"][i : i + 1], batch["labels"][i : i + 1],
-                             chunk_tokens=self.logit_chunk) for i in range(len(batch["input_ids"]))]
-        return {"loss": torch.stack(losses)}
+        """Each window's mean next-token cross-entropy (one pass over the batch)."""
+        losses = token_loss(model, batch["input_ids"], batch["labels"], chunk_tokens=self.logit_chunk, reduction="none")
+        return {"loss": losses.mean(dim=1)}
 
     @torch.no_grad()
     def evaluate(self, model, batch_size, max_batches):
