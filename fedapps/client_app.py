@@ -1,5 +1,7 @@
 """Postcard's registered ClientApp: read the run's config, open the node's session, call the method.
 
+Secure aggregation's extra stages (``train.secagg_*``) are answered by ``fedapps.secure``.
+
 Every method answers through this one preamble (``fedapps.method``): the config the server
 sent, the session of this node (model built by the method's ``prepare``, task of its
 partition), then the method's ``train`` or ``evaluate``; the reply carries the metrics
@@ -12,7 +14,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.assets import force_offline
-from fedapps import registry
+from fedapps import registry, secure
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
 
@@ -21,7 +23,7 @@ app = ClientApp()
 
 
 def _call(msg: Message, context: Context):
-    cfg = client_config(msg, context)
+    cfg = secure.method_view(client_config(msg, context))
     method = registry.get(cfg.algorithm.name)
     return method, ClientCall(msg, context, cfg, session(cfg, context, method.prepare))
 
@@ -31,10 +33,26 @@ def train(msg: Message, context: Context) -> Message:
     method, call = _call(msg, context)
     update = method.train(call)
     update.metrics["partition-id"] = call.session.partition_id
-    out = reply(msg, update.metrics, update.arrays)
+    arrays = update.arrays if secure.settings_of(call.cfg) is None else secure.masked_update(call, update)
+    out = reply(msg, update.metrics, arrays)
     for name, record in update.records.items():
         out.content[name] = record
     return out
+
+
+@app.train("secagg_keys")
+def secagg_keys(msg: Message, context: Context) -> Message:
+    return secure.answer_stage(msg, context)
+
+
+@app.train("secagg_shares")
+def secagg_shares(msg: Message, context: Context) -> Message:
+    return secure.answer_stage(msg, context)
+
+
+@app.train("secagg_unmask")
+def secagg_unmask(msg: Message, context: Context) -> Message:
+    return secure.answer_stage(msg, context)
 
 
 @app.evaluate()

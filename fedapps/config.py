@@ -219,6 +219,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_partition(cfg.partition)
     _check_model_path(cfg.model)
     _check_robust(cfg)
+    _check_secure(cfg)
     _check_simulation(cfg.get("simulation") or {})
     for key in ("train.bf16", "train.grad_checkpointing"):
         value = OmegaConf.select(cfg, key)
@@ -288,6 +289,47 @@ def _check_robust(cfg: DictConfig) -> None:
     if cfg.algorithm.name == "smartfed" and settings.aggregator != "mean":
         raise ConfigError(f"algorithm 'smartfed' combines sparse expert updates by the weighted mean only; "
                           f"robust '{settings.aggregator}' does not apply (use robust=default or robust=off)")
+
+
+# why secure aggregation cannot carry a method's updates (it sums dense vectors of one layout)
+SECURE_UNSUPPORTED = {
+    "smartfed": "SmartFed's clients send their own active experts (sparse, different per client); a masked "
+                "dense sum over every expert is not built",
+    "topk": "top-k updates have each client's own support: masked values cannot be summed coordinate-wise",
+    "powersgd": "PowerSGD factors are per client: their sum is not the sum of the updates",
+}
+
+
+def _check_secure(cfg: DictConfig) -> None:
+    """``secure_aggregation`` builds (strategies.secure_round.SecureSettings) and suits the run."""
+    from fedapps.secure import settings_of
+    from strategies.secagg import SecAggError
+
+    block = cfg.get("secure_aggregation")
+    if not block:
+        return
+    if not isinstance(block.get("enabled"), bool):
+        raise ConfigError(f"secure_aggregation.enabled must be true or false, got {block.get('enabled')!r}")
+    try:
+        settings = settings_of(cfg)
+    except (SecAggError, TypeError, ValueError) as err:
+        raise ConfigError(f"secure_aggregation: {err}") from None
+    if settings is None:
+        return
+    for key in (str(cfg.algorithm.name), str(cfg.algorithm.get("payload", "fp32"))):
+        if key in SECURE_UNSUPPORTED:
+            raise ConfigError(f"secure_aggregation cannot carry algorithm '{cfg.algorithm.name}' with payload "
+                              f"'{cfg.algorithm.get('payload')}': {SECURE_UNSUPPORTED[key]}")
+    if cfg.robust.aggregator != "mean":
+        raise ConfigError(f"secure_aggregation hides every client's update; robust '{cfg.robust.aggregator}' needs "
+                          "them (use robust=default or robust=off)")
+    threshold = settings.threshold
+    clients = cfg.num_clients or cfg.task.get("default_clients")
+    if threshold is not None and clients and not 2 <= threshold <= int(clients):
+        raise ConfigError(f"secure_aggregation.threshold must be between 2 and the run's {clients} clients, "
+                          f"got {threshold}")
+    if clients is not None and int(clients) < 2:
+        raise ConfigError("secure_aggregation needs at least 2 clients (the sum of one is its update)")
 
 
 def _check_simulation(sim) -> None:

@@ -176,6 +176,18 @@ class _Rounds:
             wait_for_nodes(self.grid, needed, self.node_wait)
 
 
+def _secure_train(rounds: _Rounds, strategy, server_round: int, messages) -> None:
+    """A training round under secure aggregation (strategies.secure_round): keys, shares, the
+    masked training replies, unmasking; each stage's replies make the next stage's messages."""
+    from strategies.secure_round import KEYS, SHARES, UNMASK
+
+    messages = strategy.secure_begin(server_round, messages)
+    for phase, step in ((KEYS, strategy.secure_keys), (SHARES, strategy.secure_shares),
+                        ("train", strategy.secure_upload)):
+        messages = step(server_round, rounds.send(server_round, phase, messages))
+    strategy.secure_finish(server_round, rounds.send(server_round, UNMASK, messages))
+
+
 def run_server(grid: Grid, cfg) -> dict:
     method = registry.get(cfg.algorithm.name)
     resume_dir, must_exist = ckpt.resume_folder(cfg)  # a bad resume request fails before any waiting
@@ -238,7 +250,10 @@ def _run_rounds(grid: Grid, cfg, plan, out, checkpoint) -> dict:
         log(INFO, "[ROUND %s/%s]", server_round, cfg.rounds)
         rounds.ensure_nodes()
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
-        strategy.aggregate_train(server_round, rounds.send(server_round, "train", messages))
+        if strategy.secure is None:
+            strategy.aggregate_train(server_round, rounds.send(server_round, "train", messages))
+        else:
+            _secure_train(rounds, strategy, server_round, messages)
         rounds.ensure_nodes()
         messages = strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
         strategy.aggregate_evaluate(server_round, rounds.send(server_round, "evaluate", messages))

@@ -46,6 +46,8 @@ from flwr.serverapp.strategy import FedAvg
 from strategies import codec, compress, robust
 from strategies.codec import PayloadError
 from strategies.robust import Robustness
+from strategies.secagg import SecAggError
+from strategies.secure_round import KEYS, SHARES, UNMASK, SecureRound, SecureSettings
 
 CONFIG_RECORD = "postcard"  # ConfigRecord holding the resolved YAML (first message to a node)
 NUM_EXAMPLES = "num-examples"
@@ -98,6 +100,7 @@ class PayloadFedAvg(FedAvg):
         uplink_keys: Iterable[str] | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
         robustness: Robustness | None = None,
+        secure: SecureSettings | None = None,
     ) -> None:
         min_clients = num_clients if min_clients is None else int(min_clients)
         super().__init__(
@@ -127,6 +130,15 @@ class PayloadFedAvg(FedAvg):
                                                  rank=powersgd_rank)
         self.uplink_stypes = compress.expected_stypes(self.layout(), uplink_format, rank=powersgd_rank)
         self.robustness = robustness if robustness is not None else Robustness()
+        self.secure = secure
+        if secure is not None and self.robustness.aggregator != "mean":
+            raise ValueError(f"secure aggregation hides each update: robust aggregator "
+                             f"'{self.robustness.aggregator}' needs them (use the mean)")
+        if secure is not None and uplink_format not in codec.FORMATS:
+            raise ValueError(f"secure aggregation sums dense values: uplink format '{uplink_format}' is not dense")
+        self._secure: SecureRound | None = None
+        self._secure_train: list[Message] = []
+        self._secure_metrics: list[dict] = []
         self.on_round_end = on_round_end
         self._sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
         self._downlink: ArrayRecord | None = None  # downlink_arrays() of the current global state
@@ -260,8 +272,13 @@ class PayloadFedAvg(FedAvg):
             raise PayloadError(f"the payload carries {nbytes} bytes, more than the {self.uplink_budget} "
                                f"its format '{self.uplink_format}' allows")
 
+    def check_reply_records(self, msg: Message) -> None:
+        """A method's own checks of a training reply's other records (e.g. FLITE's fingerprint),
+        run before its payload is read, with secure aggregation or without; PayloadError if bad."""
+
     def validate_reply(self, msg: Message) -> tuple[dict[str, np.ndarray], int]:
         """Decode and check one training reply; raise PayloadError with the reason."""
+        self.check_reply_records(msg)
         record, num_examples = self.reply_record(msg)
         self.check_layout(record)
         return codec.decode(record), num_examples
@@ -387,19 +404,156 @@ class PayloadFedAvg(FedAvg):
         payloads, weights = self._bound(nodes, payloads, weights)
         with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused below
             update = self.aggregate_payloads(payloads, weights)
+        return self._apply(server_round, update, metrics, weights)
+
+    def _apply(self, server_round: int, update: dict[str, np.ndarray], metrics: list[dict], weights: list):
+        """Commit an aggregate that is finite and inside the layout; else refuse the round (state unchanged)."""
         for key, value in update.items():
             if key not in self.global_state or value.shape != self.global_state[key].shape:
                 raise RuntimeError(f"aggregation produced a tensor '{key}' outside the layout")  # programming error
         bad = sorted(k for k, v in update.items() if not np.all(np.isfinite(v)))
         if bad:
-            reason = f"the aggregate of {len(payloads)} replies is not finite in {bad[:3]}; the round is refused"
-            log(WARNING, "round %s: %s and the global state is unchanged", server_round, reason)
-            self._round["refused"].append({"node_id": None, "round": server_round, "phase": "train", "kind": "round",
-                                           "reason": reason})
-            return None, None
+            return self._refuse_round(server_round, f"the aggregate of {len(weights)} replies is not finite in "
+                                                    f"{bad[:3]}; the round is refused")
         self.commit(update)
-        self._round["accepted"] = len(payloads)
+        self._round["accepted"] = len(weights)
         return self.global_arrays(), aggregate_metrics(metrics, weights)
+
+    def _refuse_round(self, server_round: int, reason: str):
+        log(WARNING, "round %s: %s and the global state is unchanged", server_round, reason)
+        self._round["refused"].append({"node_id": None, "round": server_round, "phase": "train", "kind": "round",
+                                       "reason": reason})
+        return None, None
+
+    # ------------------------------------------------------------------ secure aggregation
+    # The runner drives a secure round as begin -> keys -> shares -> train -> unmask
+    # (strategies.secure_round); each step takes the previous stage's replies and returns the
+    # next stage's messages ([] once the round is abandoned: below the threshold).
+    def secure_begin(self, server_round: int, train_messages: list[Message]) -> list[Message]:
+        self._start_round(server_round)
+        self._secure_train = list(train_messages)
+        nodes = [int(m.metadata.dst_node_id) for m in self._secure_train]
+        try:
+            self._secure = SecureRound(self.secure, server_round, nodes, self.layout())
+        except SecAggError as err:
+            return self._secure_abandon(server_round, err)
+        out = self._secure.keys_messages()
+        for msg, train in zip(out, self._secure_train):  # a node that needs the run's config gets it first here
+            if CONFIG_RECORD in train.content.config_records:
+                msg.content[CONFIG_RECORD] = train.content[CONFIG_RECORD]
+        return self._secure_sent(KEYS, out)
+
+    def secure_keys(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        if self._secure is None:
+            return []
+        try:
+            out = self._secure.take_keys(self._stage_replies(replies, KEYS))
+        except SecAggError as err:
+            return self._secure_abandon(server_round, err)
+        return self._secure_sent(SHARES, out)
+
+    def secure_shares(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        if self._secure is None:
+            return []
+        try:
+            self._secure.take_shares(self._stage_replies(replies, SHARES))
+        except SecAggError as err:
+            return self._secure_abandon(server_round, err)
+        before = {id(m): codec.message_bytes(m.content) for m in self._secure_train}
+        out = [m for m in (self._secure.attach(m) for m in self._secure_train) if m is not None]
+        for msg in out:
+            self._secure_bytes(int(msg.metadata.dst_node_id), "down",
+                               codec.message_bytes(msg.content) - before[id(msg)])
+        self._sent["train"] = out
+        return out
+
+    def secure_upload(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The masked training replies (screened as any reply, then their masked layout) -> unmask messages."""
+        if self._secure is None:
+            return []
+        self._secure_metrics = []
+        for msg, reply_metrics in self._screen(replies, "train"):
+            node_id = _node(msg)
+            try:
+                self.check_reply_records(msg)
+                record, _ = self.reply_record(msg)
+                residues = self._secure.check_upload(record)
+            except (PayloadError, SecAggError) as err:
+                self._refuse(node_id, str(err), kind="payload")
+                continue
+            except Exception as err:  # noqa: BLE001 - whatever a client sends must not stop the run
+                self._refuse(node_id, f"malformed payload ({type(err).__name__}: {err})", kind="payload")
+                continue
+            self._secure.upload(node_id, residues)
+            self._secure_metrics.append(reply_metrics)
+            client = self._client(node_id)
+            client["uplink_payload_bytes"] = codec.payload_bytes(record)
+            client["uplink_message_bytes"] = codec.message_bytes(msg.content)
+            client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
+        try:
+            out = self._secure.unmask_messages()
+        except SecAggError as err:
+            return self._secure_abandon(server_round, err)
+        return self._secure_sent(UNMASK, out)
+
+    def secure_finish(self, server_round: int, replies: Iterable[Message]):
+        """The unmask replies -> the mean of the uploaders' values (uniform weights), committed."""
+        secure, self._secure = self._secure, None
+        if secure is None:
+            return None, None
+        try:
+            sums = secure.take_reveals(self._stage_replies(replies, UNMASK))
+        except SecAggError as err:
+            self._secure = secure
+            return self._secure_abandon(server_round, err) or (None, None)
+        count = len(secure.masked)
+        self._round["secure"] = {"uploaded": count, "participants": len(secure.participants),
+                                 "threshold": secure.threshold, "bits": secure.fixed.bits,
+                                 "modulus_bits": secure.fixed.modulus_bits, "clip": secure.fixed.clip,
+                                 "dropped": {str(k): v for k, v in secure.dropped.items()}}
+        # clients always mask their update (what they trained minus what they received), whatever
+        # the method's uplink: updates are small, so a narrow clip range resolves them
+        update = {k: (self.global_state[k].astype(np.float64) + v / count).astype(np.float32) for k, v in sums.items()}
+        return self._apply(server_round, update, self._secure_metrics, [1] * count)
+
+    def _secure_sent(self, phase: str, messages: list[Message]) -> list[Message]:
+        for msg in messages:
+            self._secure_bytes(int(msg.metadata.dst_node_id), "down", codec.message_bytes(msg.content))
+        self._sent[phase] = messages
+        return messages
+
+    def _secure_bytes(self, node_id: int, direction: str, nbytes: int) -> None:
+        client = self._client(node_id)
+        key = f"secagg_{direction}link_bytes"
+        client[key] = client.get(key, 0) + int(nbytes)
+
+    def _secure_abandon(self, server_round: int, err: Exception) -> list:
+        self._secure = None
+        self._refuse_round(server_round, f"secure aggregation: {err}")
+        return []
+
+    def _stage_replies(self, replies: Iterable[Message], phase: str) -> dict[int, Message]:
+        """A secure stage's replies by node: client errors and identity problems refused (as in
+        :meth:`_screen`); sizes and contents are checked by the stage itself."""
+        sent = {str(m.metadata.message_id): m for m in self._sent.get(phase, []) if m.metadata.message_id}
+        out: dict[int, Message] = {}
+        for msg in replies:
+            node_id = _node(msg)
+            if _has_error(msg):
+                self._refuse(node_id, f"client error during {phase}: {_error_reason(msg)}", kind="client-error",
+                             phase=phase)
+                self.configured_nodes.discard(node_id)
+                continue
+            reason = _identity_problem(msg, sent, set(out))
+            if reason:
+                self._refuse(node_id, reason, kind="identity", phase=phase)
+                continue
+            out[node_id] = msg
+            try:
+                self._secure_bytes(node_id, "up", codec.message_bytes(msg.content))
+            except Exception:  # noqa: BLE001 - a measurement
+                pass
+        return out
 
     # ------------------------------------------------------------------ screening every reply
     def _screen(self, replies: Iterable[Message], phase: str) -> list[tuple[Message, dict]]:

@@ -81,3 +81,8 @@ class FedNL(PayloadFedAvg):
         arrays, metrics = super().aggregate_train(server_round, replies)
         self._round["gate_alpha"] = gate_alpha(self.global_state)
         return arrays, metrics
+
+    def secure_finish(self, server_round: int, replies):
+        arrays, metrics = super().secure_finish(server_round, replies)
+        self._round["gate_alpha"] = gate_alpha(self.global_state)
+        return arrays, metrics

@@ -37,10 +37,9 @@ class FliteStrategy(PayloadFedAvg):
         config[FINGERPRINT_KEY] = self.fingerprint
         return super().train_config_for(server_round, node_id, config)
 
-    def validate_reply(self, msg):
+    def check_reply_records(self, msg):
         record = msg.content.config_records.get(FINGERPRINT_RECORD)
         got = None if record is None else record.get("fingerprint")
         if got != self.fingerprint:
             raise PayloadError(f"latent fingerprint {got!r} does not match the server's {self.fingerprint!r} "
                                "(different seed, backbone or latent layout)")
-        return super().validate_reply(msg)

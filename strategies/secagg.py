@@ -54,6 +54,7 @@ MAX_CLIENTS = 255  # Shamir share indices are one byte
 MAX_MODULUS_BITS = 32
 _SHARE = struct.Struct("<QQIH16s16s16s")  # owner, holder, round, index, b share, s_sk share (2 halves)
 _NONCE = 12
+SHARE_BLOB = _NONCE + _SHARE.size + 16  # an encrypted share: nonce, ciphertext, Poly1305 tag
 
 
 class SecAggError(ValueError):
@@ -263,7 +264,7 @@ def open_share(me: int, secrets: ClientSecrets, owner: int, public_keys: Mapping
         plain = bytes(blob)
     else:
         blob = bytes(blob)
-        if len(blob) != _NONCE + _SHARE.size + 16:
+        if len(blob) != SHARE_BLOB:
             raise SecAggError(f"the share from node {owner} has {len(blob)} bytes")
         try:
             plain = ChaCha20Poly1305(_share_key(secrets.c_private, public_keys[owner][0], round_id)).decrypt(

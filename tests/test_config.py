@@ -72,6 +72,15 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(task="mmlu", overrides="model=tiny-cnn algorithm=fedavg-full"), "needs a causal LM"),
         (dict(overrides="partition=dirichlet partition.alpha=-1"), "partition.alpha must be a number > 0"),
         (dict(overrides="model.path=/no/such/checkpoint"), "model.path '/no/such/checkpoint' is not a Hugging Face"),
+        (dict(algorithm="smartfed", overrides="secure_aggregation.enabled=true"), "cannot carry algorithm 'smartfed'"),
+        (dict(task="cifar10", algorithm="topk-ef", overrides="secure_aggregation.enabled=true"),
+         "top-k updates have each client's own support"),
+        (dict(overrides="secure_aggregation.enabled=true robust=median"), "robust 'median' needs them"),
+        (dict(overrides="secure_aggregation.enabled=true secure_aggregation.threshold=9 num_clients=4"),
+         "threshold must be between 2 and the run's 4 clients"),
+        (dict(overrides="secure_aggregation.enabled=true secure_aggregation.clip=-1"), "clipping range must be a pos"),
+        (dict(overrides="secure_aggregation.enabled=true secure_aggregation.bits=30"), "1..24 bits per value"),
+        (dict(overrides="secure_aggregation.enabled=yes"), "secure_aggregation.enabled must be true or false"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):

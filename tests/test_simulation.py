@@ -10,13 +10,17 @@ from fedapps.simulation import simulate
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg-lora", "ffa-lora", "fedavg-full"])  # fedprox: test_strategy (its term)
-def test_baseline_learns_over_three_rounds(algorithm, outputs):
-    cfg = compose(preset="test", algorithm=algorithm)
+@pytest.mark.parametrize("algorithm, secure", [("fedavg-lora", False), ("ffa-lora", True), ("fedavg-full", False)])
+def test_baseline_learns_over_three_rounds(algorithm, secure, outputs):
+    """fedprox: test_strategy (its term); ffa-lora runs under secure aggregation (masked updates)."""
+    cfg = compose([f"secure_aggregation.enabled={str(secure).lower()}"], preset="test", algorithm=algorithm)
     summary = simulate(cfg)
     rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert summary["refused_replies"] == 0
+    if secure:  # every round unmasked the sum of both clients' updates
+        assert all(r["secure"]["uploaded"] == 2 and r["secure"]["bits"] == 16 for r in rounds[1:])
+        assert all(c["secagg_uplink_bytes"] > 0 for r in rounds[1:] for c in r["clients"])
     # loss falls: training loss from round 1 to 3, held-out perplexity from round 0 to 3
     assert mean_train_loss(rounds[3]) < mean_train_loss(rounds[1])
     assert rounds[3]["eval"]["perplexity"] < rounds[0]["eval"]["perplexity"]

@@ -1,0 +1,434 @@
+"""Secure aggregation as Flower messages: the stages of one round and their wire formats.
+
+:mod:`strategies.secagg` is the protocol; this module puts it on Flower's Message API (both
+ends: the server's :class:`SecureRound`, the client's ``client_*`` functions). A secure
+round is four exchanges, each a message type of its own (``train.<action>``; the ClientApp
+registers one function per action):
+
+==================  ==================================================================
+``train.secagg_keys``    server → sampled nodes: round, n. Reply: the node's two public keys.
+``train.secagg_shares``  server → nodes that answered: everyone's keys, threshold t, bits,
+                         clip. Reply: a commitment to the node's self-mask seed and one
+                         encrypted share per other node.
+``train``                the method's usual training message + the shares addressed to the
+                         node. Reply: the masked update (``postcard.secagg`` arrays: uint8,
+                         uint16 or uint32 residues mod 2^k, the update's keys and shapes).
+``train.secagg_unmask``  server → uploaders: who uploaded, who did not. Reply: the node's
+                         shares of the uploaders' seeds and of the others' mask keys.
+==================  ==================================================================
+
+Node ids travel as comma-separated decimal strings (Flower's ids are unsigned 64-bit, a
+ConfigRecord int is signed, and Flower's records refuse empty lists); fixed-size byte strings
+(keys, encrypted shares) travel concatenated. Every reply is checked (its sender, sizes, types) and a bad one drops that node
+from the round, as a reply that never came would; below the threshold the round is
+abandoned with the reason and the global state stays as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+from strategies import secagg
+from strategies.secagg import ClientSecrets, FixedPoint, SecAggError
+
+RECORD = "secagg"  # the ConfigRecord of every secure-aggregation message and reply
+STYPE = "postcard.secagg"
+KEYS, SHARES, UNMASK = "train.secagg_keys", "train.secagg_shares", "train.secagg_unmask"
+STAGES = (KEYS, SHARES, UNMASK)
+
+
+@dataclass(frozen=True)
+class SecureSettings:
+    """A run's secure-aggregation settings (the ``secure_aggregation`` config block)."""
+
+    bits: int
+    clip: float
+    threshold: int | None = None  # None: a majority of each round's clients
+
+    def fixed_point(self, n: int) -> FixedPoint:
+        return FixedPoint(bits=int(self.bits), clip=float(self.clip), num_clients=int(n))
+
+    def threshold_for(self, n: int) -> int:
+        return secagg.check_threshold(self.threshold if self.threshold is not None else secagg.default_threshold(n), n)
+
+    @classmethod
+    def from_config(cls, block, payload: str, auto_clip: float | None = None) -> SecureSettings | None:
+        """None when ``block.enabled`` is false; ``bits`` null = 4 for an int4 payload, else 16;
+        ``clip`` 'auto' = ``auto_clip``."""
+        if not block or not block.get("enabled"):
+            return None
+        bits = block.get("bits")
+        bits = (4 if payload == "int4" else 16) if bits is None else int(bits)
+        clip = block.get("clip")
+        if clip == "auto":
+            if auto_clip is None:
+                raise SecAggError("clip 'auto' needs the run's learning rates and steps")
+            clip = auto_clip
+        threshold = block.get("threshold")
+        settings = cls(bits=bits, clip=float(clip), threshold=None if threshold is None else int(threshold))
+        settings.fixed_point(2)  # bits and clip checked now
+        return settings
+
+
+def _ids(nodes: Iterable[int]) -> str:
+    return ",".join(str(int(v)) for v in nodes)
+
+
+def _record(msg: Message) -> ConfigRecord:
+    records = msg.content.config_records
+    if RECORD not in records:
+        raise SecAggError(f"no ConfigRecord '{RECORD}'")
+    return records[RECORD]
+
+
+def _config(values: dict) -> ConfigRecord:
+    """A ConfigRecord of ``values`` without the empty ones (Flower's byte count refuses empty
+    strings and lists): an absent key reads as empty."""
+    return ConfigRecord({k: v for k, v in values.items() if not (isinstance(v, (str, bytes)) and not v)})
+
+
+def _nodes(record: ConfigRecord, key: str) -> list[int]:
+    """A comma-separated list of node ids (Flower's records refuse empty lists, so lists travel joined)."""
+    text = record.get(key, "")
+    if not isinstance(text, str) or not all(part.isdigit() for part in text.split(",") if text):
+        raise SecAggError(f"'{key}' must be a list of node ids")
+    return [int(part) for part in text.split(",")] if text else []
+
+
+def _split(record: ConfigRecord, key: str, size: int) -> list[bytes]:
+    """Fixed-size byte strings, concatenated."""
+    blob = record.get(key, b"")
+    if not isinstance(blob, bytes) or len(blob) % size:
+        raise SecAggError(f"'{key}' must be {size}-byte values, concatenated")
+    return [blob[i:i + size] for i in range(0, len(blob), size)]
+
+
+# ---------------------------------------------------------------------- server
+class SecureRound:
+    """The server's side of one secure round (see the module docstring)."""
+
+    def __init__(self, settings: SecureSettings, server_round: int, nodes: Iterable[int], layout: Mapping[str, tuple]):
+        self.settings = settings
+        self.round = int(server_round)
+        self.sampled = sorted(int(v) for v in nodes)
+        self.n = len(self.sampled)
+        self.fixed = settings.fixed_point(self.n)
+        self.threshold = settings.threshold_for(self.n)
+        self.layout = {k: tuple(int(s) for s in v) for k, v in sorted(layout.items())}
+        self.public: dict[int, tuple[bytes, bytes]] = {}
+        self.commitments: dict[int, bytes] = {}
+        self.mail: dict[int, dict[int, bytes]] = {}  # recipient -> {sender: encrypted share}
+        self.masked: dict[int, np.ndarray] = {}
+        self.dropped: dict[int, str] = {}  # node -> why it left the round
+
+    def _header(self) -> dict:
+        return {"round": self.round, "n": self.n}
+
+    def _check_count(self, nodes, stage: str) -> None:
+        if len(nodes) < self.threshold:
+            raise SecAggError(f"{len(nodes)} clients completed the {stage} stage, fewer than the threshold "
+                              f"{self.threshold}: the round is abandoned")
+
+    def _drop(self, node: int, reason: str) -> None:
+        self.dropped.setdefault(int(node), reason)
+
+    def _keys_record(self, nodes: list[int]) -> dict:
+        return {"nodes": _ids(nodes), "c-keys": b"".join(self.public[v][0] for v in nodes),
+                "s-keys": b"".join(self.public[v][1] for v in nodes)}
+
+    def keys_messages(self) -> list[Message]:
+        return [Message(RecordDict({RECORD: _config(self._header())}), dst_node_id=v, message_type=KEYS)
+                for v in self.sampled]
+
+    def take_keys(self, replies: Mapping[int, Message]) -> list[Message]:
+        """Stage 1's replies -> stage 2's messages. SecAggError below the threshold."""
+        for node, msg in replies.items():
+            try:
+                record = _record(msg)
+                keys = (record.get("c-key"), record.get("s-key"))
+                for key in keys:
+                    if not isinstance(key, bytes) or len(key) != secagg.KEY_BYTES:
+                        raise SecAggError(f"its public keys must be {secagg.KEY_BYTES} bytes each")
+                if keys[1] in {k[1] for k in self.public.values()}:
+                    raise SecAggError("it advertises another node's key")
+                self.public[int(node)] = keys
+            except SecAggError as err:
+                self._drop(node, f"keys: {err}")
+        nodes = sorted(self.public)
+        self._check_count(nodes, "keys")
+        content = {**self._header(), **self._keys_record(nodes), "threshold": self.threshold,
+                   "bits": int(self.fixed.bits), "clip": float(self.fixed.clip)}
+        return [Message(RecordDict({RECORD: _config(content)}), dst_node_id=v, message_type=SHARES)
+                for v in nodes]
+
+    def take_shares(self, replies: Mapping[int, Message]) -> None:
+        """Stage 2's replies: commitments and encrypted shares, to relay with the training messages."""
+        advertised = set(self.public)
+        for node, msg in replies.items():
+            try:
+                record = _record(msg)
+                commitment = record.get("commitment")
+                if not isinstance(commitment, bytes) or len(commitment) != 32:
+                    raise SecAggError("its commitment must be 32 bytes")
+                to, blobs = _nodes(record, "to"), _split(record, "shares", secagg.SHARE_BLOB)
+                if sorted(to) != sorted(advertised - {node}) or len(blobs) != len(to):
+                    raise SecAggError("it must send one share to every other participant")
+                self.commitments[int(node)] = commitment
+                for recipient, blob in zip(to, blobs):
+                    self.mail.setdefault(recipient, {})[int(node)] = blob
+            except SecAggError as err:
+                self._drop(node, f"shares: {err}")
+        self._check_count(self.commitments, "shares")
+
+    @property
+    def participants(self) -> list[int]:
+        """Nodes whose masks every uploader includes (they completed stage 2)."""
+        return sorted(self.commitments)
+
+    def attach(self, message: Message) -> Message | None:
+        """The training message of a participant with its shares and the participants' keys;
+        None for a node that left the round."""
+        node = int(message.metadata.dst_node_id)
+        if node not in self.commitments:
+            return None
+        nodes = self.participants
+        mail = self.mail.get(node, {})
+        senders = [v for v in nodes if v != node and v in mail]
+        content = {**self._header(), **self._keys_record(nodes), "from": _ids(senders),
+                   "shares": b"".join(mail[v] for v in senders)}
+        message.content[RECORD] = _config(content)
+        return message
+
+    def check_upload(self, record: ArrayRecord) -> np.ndarray:
+        """A masked upload's residues (uint64, the layout's keys in order), its declared layout,
+        dtype and byte length checked before it is read."""
+        if set(record) != set(self.layout):
+            extra, missing = sorted(set(record) - set(self.layout))[:3], sorted(set(self.layout) - set(record))[:3]
+            raise SecAggError(f"wrong key set (unexpected {extra}, missing {missing})")
+        dtype = self.fixed.dtype
+        parts = []
+        for key, shape in self.layout.items():
+            array = record[key]
+            if array.stype != STYPE or array.dtype != dtype.name or tuple(array.shape) != shape:
+                raise SecAggError(f"tensor '{key}' must be {STYPE} {dtype.name} of shape {shape}, got "
+                                  f"{array.stype} {array.dtype} {tuple(array.shape)}")
+            want = int(np.prod(shape)) * dtype.itemsize
+            if len(array.data) != want:
+                raise SecAggError(f"tensor '{key}' carries {len(array.data)} bytes, expected {want}")
+            values = np.frombuffer(array.data, dtype=dtype).astype(np.uint64)
+            if values.size and int(values.max()) >= self.fixed.modulus:
+                raise SecAggError(f"tensor '{key}' holds values outside the modulus 2^{self.fixed.modulus_bits}")
+            parts.append(values)
+        return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+
+    def upload(self, node: int, residues: np.ndarray) -> None:
+        self.masked[int(node)] = residues
+
+    def unmask_messages(self) -> list[Message]:
+        """Stage 4's messages to the uploaders. SecAggError below the threshold."""
+        uploaded = sorted(self.masked)
+        self._check_count(uploaded, "upload")
+        dropped = [v for v in self.participants if v not in self.masked]
+        content = {**self._header(), "uploaded": _ids(uploaded), "dropped": _ids(dropped)}
+        return [Message(RecordDict({RECORD: _config(content)}), dst_node_id=v, message_type=UNMASK)
+                for v in uploaded]
+
+    def take_reveals(self, replies: Mapping[int, Message]) -> dict[str, np.ndarray]:
+        """Stage 4's replies -> the sum of the uploaders' values per key (float64, decoded)."""
+        revealed = {}
+        for node, msg in replies.items():
+            if int(node) not in self.masked:
+                continue
+            try:
+                record = _record(msg)
+                owners, kinds = _nodes(record, "owners"), record.get("kinds", "")
+                indices, blob = _nodes(record, "indices"), record.get("shares", b"")
+                if not (isinstance(kinds, str) and isinstance(blob, bytes) and len(owners) == len(kinds) == len(indices)):
+                    raise SecAggError("owners, kinds, indices and shares must describe as many shares")
+                mine, start = {}, 0
+                for owner, kind, index in zip(owners, kinds, indices):
+                    wanted = "b" if owner in self.masked else "s"
+                    size = secagg.SEED_BYTES if wanted == "b" else secagg.KEY_BYTES
+                    if kind != wanted or not 1 <= index <= self.n or len(blob) < start + size:
+                        raise SecAggError(f"a malformed share of node {owner}")
+                    mine[owner] = (kind, index, blob[start:start + size])
+                    start += size
+                if start != len(blob):
+                    raise SecAggError("the shares carry extra bytes")
+                revealed[int(node)] = mine
+            except SecAggError as err:
+                self._drop(node, f"unmask: {err}")
+        total = secagg.unmask(self.masked, {v: self.public[v] for v in self.participants}, self.commitments,
+                              revealed, self.fixed, self.threshold, self.round)
+        values = self.fixed.decode_sum(total, len(self.masked))
+        out, start = {}, 0
+        for key, shape in self.layout.items():
+            size = int(np.prod(shape))
+            out[key] = values[start:start + size].reshape(shape)
+            start += size
+        return out
+
+
+# ---------------------------------------------------------------------- client
+_STATE = "postcard.secagg"  # context.state ConfigRecord: this node's secrets of the current round
+
+
+def _secrets(state: RecordDict, server_round: int) -> tuple[ClientSecrets, ConfigRecord]:
+    if _STATE not in state.config_records or state.config_records[_STATE].get("round") != server_round:
+        raise SecAggError(f"this node holds no secure-aggregation secrets for round {server_round} "
+                          "(it missed an earlier stage)")
+    kept = state.config_records[_STATE]
+    return ClientSecrets(kept["c"], kept["s"], kept.get("seed", b"")), kept
+
+
+def _keys_of(record: ConfigRecord) -> dict[int, tuple[bytes, bytes]]:
+    nodes = _nodes(record, "nodes")
+    c_keys = _split(record, "c-keys", secagg.KEY_BYTES)
+    s_keys = _split(record, "s-keys", secagg.KEY_BYTES)
+    if not len(nodes) == len(c_keys) == len(s_keys) or len(set(nodes)) != len(nodes):
+        raise SecAggError("the participants' list is malformed")
+    return {v: (c, s) for v, c, s in zip(nodes, c_keys, s_keys)}
+
+
+def _round_of(record: ConfigRecord, settings: SecureSettings) -> tuple[int, FixedPoint, int]:
+    server_round, n = record.get("round"), record.get("n")
+    if not isinstance(server_round, int) or not isinstance(n, int):
+        raise SecAggError("the message names no round or client count")
+    return server_round, settings.fixed_point(n), settings.threshold_for(n)
+
+
+def client_keys(msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
+    """Stage 1 on a node: new secrets for this round (kept in ``state``), the public keys as the reply."""
+    server_round, _, _ = _round_of(_record(msg), settings)
+    secrets = ClientSecrets.new()
+    state[_STATE] = ConfigRecord({"round": server_round, "c": secrets.c_private, "s": secrets.s_private})
+    c_key, s_key = secrets.public_keys()
+    return RecordDict({RECORD: ConfigRecord({"c-key": c_key, "s-key": s_key})})
+
+
+def client_shares(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
+    """Stage 2 on a node: its Shamir shares, encrypted to each other participant. The node checks
+    that the server asks for the run's own settings (threshold, bits, clip), not weaker ones."""
+    record = _record(msg)
+    server_round, fixed, threshold = _round_of(record, settings)
+    if (record.get("threshold"), record.get("bits"), record.get("clip")) != (threshold, fixed.bits, fixed.clip):
+        raise SecAggError(f"the server asks for threshold {record.get('threshold')}, {record.get('bits')} bits, "
+                          f"clip {record.get('clip')}; this run's settings give {threshold}, {fixed.bits}, {fixed.clip}")
+    secrets, kept = _secrets(state, server_round)
+    public = _keys_of(record)
+    commitment, out = secagg.make_shares(me, secrets, public, threshold, server_round)
+    kept["seed"] = secrets.seed
+    kept["own-share"] = out.pop(me)
+    to = sorted(out)
+    return RecordDict({RECORD: _config({"commitment": commitment, "to": _ids(to),
+                                             "shares": b"".join(out[v] for v in to)})})
+
+
+def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettings,
+                values: Mapping[str, np.ndarray], rng: np.random.Generator) -> tuple[ArrayRecord, float]:
+    """Stage 3 on a node: its values (any keys; sorted order) masked, as ``postcard.secagg`` arrays,
+    and the fraction of values clipped to ±clip. The shares relayed to it are kept for stage 4."""
+    record = _record(msg)
+    server_round, fixed, threshold = _round_of(record, settings)
+    secrets, kept = _secrets(state, server_round)
+    public = _keys_of(record)
+    if me not in public or len(public) < threshold:
+        raise SecAggError(f"the round's {len(public)} participants are fewer than the threshold {threshold}, "
+                          "or this node is not among them")
+    senders, blobs = _nodes(record, "from"), _split(record, "shares", secagg.SHARE_BLOB)
+    if len(senders) != len(blobs):
+        raise SecAggError("the relayed shares are malformed")
+    kept["uploaded"] = True
+    for key in ("nodes", "c-keys", "s-keys", "from", "shares"):  # kept for stage 4
+        if key in record:
+            kept[key] = record[key]
+    keys = sorted(values)
+    flat = np.concatenate([np.asarray(values[k], np.float64).ravel() for k in keys]) if keys else np.zeros(0)
+    levels, clipped = fixed.encode(flat, rng)
+    masked = secagg.mask(me, secrets, public, levels, fixed, server_round)
+    out, start = ArrayRecord(), 0
+    for key in keys:
+        shape = tuple(int(s) for s in np.shape(values[key]))
+        size = int(np.prod(shape))
+        out[key] = Array(dtype=fixed.dtype.name, shape=shape, stype=STYPE, data=masked[start:start + size].tobytes())
+        start += size
+    return out, clipped / max(1, flat.size)
+
+
+def client_unmask(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
+    """Stage 4 on a node: its shares of the uploaders' seeds and of the dropped nodes' mask keys."""
+    record = _record(msg)
+    server_round, _, threshold = _round_of(record, settings)
+    secrets, kept = _secrets(state, server_round)
+    if not kept.get("uploaded"):
+        raise SecAggError("this node did not upload in this round")
+    public = _keys_of(kept)
+    shares = dict(zip(_nodes(kept, "from"), _split(kept, "shares", secagg.SHARE_BLOB)))
+    shares[me] = kept["own-share"]
+    revealed = secagg.reveal(me, secrets, shares, public, _nodes(record, "uploaded"), _nodes(record, "dropped"),
+                             threshold, server_round)
+    del state[_STATE]  # the round's secrets are spent
+    owners = sorted(revealed)
+    return RecordDict({RECORD: _config({"owners": _ids(owners), "kinds": "".join(revealed[v][0] for v in owners),
+                                             "indices": _ids(revealed[v][1] for v in owners),
+                                             "shares": b"".join(revealed[v][2] for v in owners)})})
+
+
+# ---------------------------------------------------------------------- both ends in one process
+def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, server_round: int = 1,
+                skip_upload: Iterable[int] = (), skip_unmask: Iterable[int] = (), records: Mapping | None = None,
+                tamper=None, timings: dict | None = None) -> None:
+    """One secure round of ``strategy`` (a PayloadFedAvg with ``secure`` settings) with in-process
+    clients, no Flower runtime: the same messages and checks as a run (tests and benchmarks).
+
+    ``updates``: {node: {key: update}}; nodes in ``skip_upload`` vanish after the shares stage,
+    those in ``skip_unmask`` after uploading. ``records``: extra records in every training reply;
+    ``tamper(replies)`` may change the training replies before the server sees them. ``timings``
+    collects seconds per (stage, 'server' | 'client', summed over clients)."""
+    import time
+
+    from flwr.app import MetricRecord
+
+    clock = timings if timings is not None else {}
+    states = {int(v): RecordDict() for v in updates}
+    skip_upload, skip_unmask = set(skip_upload), set(skip_unmask)
+
+    def timed(stage, side, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        clock[(stage, side)] = clock.get((stage, side), 0.0) + time.perf_counter() - start
+        return out
+
+    def answer(stage, msgs, fn, skip=()):
+        return [Message(timed(stage, "client", fn, m), reply_to=m) for m in msgs if m.metadata.dst_node_id not in skip]
+
+    def node(m):
+        return int(m.metadata.dst_node_id)
+
+    settings = strategy.secure
+    train = [Message(RecordDict({"arrays": strategy.downlink_arrays(), "config": ConfigRecord({})}), dst_node_id=v,
+                     message_type="train") for v in sorted(states)]
+    msgs = timed("keys", "server", strategy.secure_begin, server_round, train)
+    replies = answer("keys", msgs, lambda m: client_keys(m, states[node(m)], settings))
+    msgs = timed("shares", "server", strategy.secure_keys, server_round, replies)
+    replies = answer("shares", msgs, lambda m: client_shares(node(m), m, states[node(m)], settings))
+    msgs = timed("upload", "server", strategy.secure_shares, server_round, replies)
+
+    def upload(m):
+        arrays, _ = client_mask(node(m), m, states[node(m)], settings, updates[node(m)],
+                                np.random.default_rng(node(m)))
+        content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})})
+        for name, record in (records or {}).items():
+            content[name] = record
+        return content
+
+    replies = answer("upload", msgs, upload, skip_upload)
+    if tamper is not None:
+        tamper(replies)
+    msgs = timed("unmask", "server", strategy.secure_upload, server_round, replies)
+    replies = answer("unmask", msgs, lambda m: client_unmask(node(m), m, states[node(m)], settings), skip_unmask)
+    timed("finish", "server", strategy.secure_finish, server_round, replies)
