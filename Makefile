@@ -93,6 +93,7 @@ bench: assets
 	$(PY) bench/flite.py --base public --seeds 3 --methods flite-int4 fedavg-full flite-fp32 fedavg-lora \
 		--runs outputs/bench-flite-near --out docs/bench/flite-near
 	$(PY) bench/wire_bytes.py
+	$(PY) bench/secagg.py
 	$(PY) bench/lm_memory.py
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \

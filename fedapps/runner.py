@@ -86,7 +86,7 @@ def collect_replies(
     timeout: float,
     quorum: int | None = None,
     straggler_timeout: float | None = None,
-    poll: float = 1.0,
+    poll: float = 0.2,
 ) -> tuple[list[Message], dict[int, str]]:
     """Send ``messages`` and gather their replies; returns (replies, {missing node id: reason}).
 

@@ -5,23 +5,21 @@ ends: the server's :class:`SecureRound`, the client's ``client_*`` functions). A
 round is four exchanges, each a message type of its own (``train.<action>``; the ClientApp
 registers one function per action):
 
-==================  ==================================================================
-``train.secagg_keys``    server → sampled nodes: round, n. Reply: the node's two public keys.
-``train.secagg_shares``  server → nodes that answered: everyone's keys, threshold t, bits,
-                         clip. Reply: a commitment to the node's self-mask seed and one
-                         encrypted share per other node.
-``train``                the method's usual training message + the shares addressed to the
-                         node. Reply: the masked update (``postcard.secagg`` arrays: uint8,
-                         uint16 or uint32 residues mod 2^k, the update's keys and shapes).
-``train.secagg_unmask``  server → uploaders: who uploaded, who did not. Reply: the node's
-                         shares of the uploaders' seeds and of the others' mask keys.
-==================  ==================================================================
+* ``train.secagg_keys``: server → sampled nodes: round, n. Reply: the node's two public keys.
+* ``train.secagg_shares``: server → nodes that answered: everyone's keys, threshold t, bits,
+  clip. Reply: a commitment to the node's self-mask seed and one encrypted share per other node.
+* ``train``: the method's usual training message + the shares addressed to the node. Reply:
+  the masked update (``postcard.secagg`` arrays: uint8, uint16 or uint32 residues mod 2^k,
+  the update's keys and shapes).
+* ``train.secagg_unmask``: server → uploaders: who uploaded, who did not. Reply: the node's
+  shares of the uploaders' seeds and of the others' mask keys.
 
 Node ids travel as comma-separated decimal strings (Flower's ids are unsigned 64-bit, a
-ConfigRecord int is signed, and Flower's records refuse empty lists); fixed-size byte strings
-(keys, encrypted shares) travel concatenated. Every reply is checked (its sender, sizes, types) and a bad one drops that node
-from the round, as a reply that never came would; below the threshold the round is
-abandoned with the reason and the global state stays as it was.
+ConfigRecord int is signed, and Flower's records refuse empty lists); fixed-size byte
+strings (keys, encrypted shares) travel concatenated. Every reply is checked (its sender,
+sizes, types) and a bad one drops that node from the round, as a reply that never came
+would; below the threshold the round is abandoned with the reason and the global state
+stays as it was.
 """
 
 from __future__ import annotations
@@ -247,7 +245,8 @@ class SecureRound:
                 record = _record(msg)
                 owners, kinds = _nodes(record, "owners"), record.get("kinds", "")
                 indices, blob = _nodes(record, "indices"), record.get("shares", b"")
-                if not (isinstance(kinds, str) and isinstance(blob, bytes) and len(owners) == len(kinds) == len(indices)):
+                if not (isinstance(kinds, str) and isinstance(blob, bytes)
+                        and len(owners) == len(kinds) == len(indices)):
                     raise SecAggError("owners, kinds, indices and shares must describe as many shares")
                 mine, start = {}, 0
                 for owner, kind, index in zip(owners, kinds, indices):
@@ -317,7 +316,8 @@ def client_shares(me: int, msg: Message, state: RecordDict, settings: SecureSett
     server_round, fixed, threshold = _round_of(record, settings)
     if (record.get("threshold"), record.get("bits"), record.get("clip")) != (threshold, fixed.bits, fixed.clip):
         raise SecAggError(f"the server asks for threshold {record.get('threshold')}, {record.get('bits')} bits, "
-                          f"clip {record.get('clip')}; this run's settings give {threshold}, {fixed.bits}, {fixed.clip}")
+                          f"clip {record.get('clip')}; this run's settings give {threshold}, {fixed.bits}, "
+                          f"{fixed.clip}")
     secrets, kept = _secrets(state, server_round)
     public = _keys_of(record)
     commitment, out = secagg.make_shares(me, secrets, public, threshold, server_round)
