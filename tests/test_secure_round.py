@@ -121,3 +121,26 @@ def test_settings_and_plain_records():
     assert SecureSettings.from_config({"enabled": False}, "fp32") is None
     assert SecureSettings.from_config({"enabled": True, "bits": None, "clip": 0.1}, "fp32").bits == 16
     assert codec.payload_bytes(ArrayRecord()) == 0
+
+
+def test_a_malformed_stage_reply_drops_its_node_and_a_node_refuses_weaker_settings():
+    from flwr.app import Message, RecordDict
+
+    from strategies.secagg import SecAggError
+    from strategies.secure_round import KEYS, RECORD, client_keys, client_shares
+
+    strat = strategy(SecureSettings(bits=16, clip=0.5, threshold=2))
+    train = [Message(RecordDict({"arrays": strat.downlink_arrays(), "config": ConfigRecord({})}), dst_node_id=v,
+                     message_type="train") for v in (1, 2, 3)]
+    msgs = strat.secure_begin(1, train)
+    assert [m.metadata.message_type for m in msgs] == [KEYS] * 3
+    states = {v: RecordDict() for v in (1, 2, 3)}
+    replies = [Message(client_keys(m, states[m.metadata.dst_node_id], strat.secure), reply_to=m) for m in msgs]
+    replies[2].content[RECORD]["s-key"] = b"short"  # node 3's key is malformed
+    shares = strat.secure_keys(1, replies)
+    assert sorted(m.metadata.dst_node_id for m in shares) == [1, 2]
+    assert strat._secure.dropped[3].startswith("keys: its public keys must be 32 bytes")
+    # a server asking node 1 for a threshold of 1 (shares that give the secret away) is refused
+    shares[0].content[RECORD]["threshold"] = 1
+    with pytest.raises(SecAggError, match="the server asks for threshold 1"):
+        client_shares(1, shares[0], states[1], strat.secure)
