@@ -14,7 +14,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.assets import force_offline
-from fedapps import registry, secure
+from fedapps import privacy, registry, secure
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
 
@@ -33,7 +33,12 @@ def train(msg: Message, context: Context) -> Message:
     method, call = _call(msg, context)
     update = method.train(call)
     update.metrics["partition-id"] = call.session.partition_id
-    arrays = update.arrays if secure.settings_of(call.cfg) is None else secure.masked_update(call, update)
+    arrays = update.arrays
+    dp = privacy.settings_of(call.cfg)
+    if dp is not None:  # clipped (and in local mode noised) before it leaves, masked or not
+        arrays = privacy.private_update(call, update, dp)
+    if secure.settings_of(call.cfg) is not None:
+        arrays = secure.masked_update(call, update, arrays)
     out = reply(msg, update.metrics, arrays)
     for name, record in update.records.items():
         out.content[name] = record

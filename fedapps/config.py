@@ -220,6 +220,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_model_path(cfg.model)
     _check_robust(cfg)
     _check_secure(cfg)
+    _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
     for key in ("train.bf16", "train.grad_checkpointing"):
         value = OmegaConf.select(cfg, key)
@@ -291,7 +292,8 @@ def _check_robust(cfg: DictConfig) -> None:
                           f"robust '{settings.aggregator}' does not apply (use robust=default or robust=off)")
 
 
-# why secure aggregation cannot carry a method's updates (it sums dense vectors of one layout)
+# why secure aggregation and differential privacy cannot carry a method's updates (both work on
+# dense updates of one layout)
 SECURE_UNSUPPORTED = {
     "smartfed": "SmartFed's clients send their own active experts (sparse, different per client); a masked "
                 "dense sum over every expert is not built",
@@ -330,6 +332,26 @@ def _check_secure(cfg: DictConfig) -> None:
                           f"got {threshold}")
     if clients is not None and int(clients) < 2:
         raise ConfigError("secure_aggregation needs at least 2 clients (the sum of one is its update)")
+
+
+def _check_privacy(cfg: DictConfig) -> None:
+    """``privacy`` builds (strategies.privacy.Privacy: the noise calibrated) and suits the run."""
+    from fedapps.privacy import settings_of
+    from strategies.privacy import PrivacyError
+
+    try:
+        settings = settings_of(cfg)
+    except PrivacyError as err:
+        raise ConfigError(str(err)) from None
+    if settings is None:
+        return
+    for key in (str(cfg.algorithm.name), str(cfg.algorithm.get("payload", "fp32"))):
+        if key in SECURE_UNSUPPORTED:
+            raise ConfigError(f"privacy cannot clip and noise algorithm '{cfg.algorithm.name}' with payload "
+                              f"'{cfg.algorithm.get('payload')}': {SECURE_UNSUPPORTED[key]}")
+    if cfg.robust.aggregator != "mean":
+        raise ConfigError(f"privacy's noise is calibrated to the mean of clipped updates; robust "
+                          f"'{cfg.robust.aggregator}' does not fit (use robust=default or robust=off)")
 
 
 def _check_simulation(sim) -> None:

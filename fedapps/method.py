@@ -116,12 +116,13 @@ def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
     client count and minimum, the sampled fractions, and the runner's round-end callback."""
     from omegaconf import OmegaConf
 
-    from fedapps.secure import settings_of
+    from fedapps import privacy, secure
     from strategies.robust import Robustness
 
     return dict(
         robustness=Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)),
-        secure=settings_of(cfg),
+        secure=secure.settings_of(cfg),
+        privacy=privacy.settings_of(cfg),
         config_yaml=config_yaml,
         num_clients=int(cfg.num_clients),
         min_clients=cfg.strategy.min_clients,

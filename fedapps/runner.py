@@ -262,6 +262,8 @@ def _run_rounds(grid: Grid, cfg, plan, out, checkpoint) -> dict:
 
     extra = plan.save_final(strategy.global_state, out.path) or {}
     extra["missing_replies"] = sum(len(r.get("missing", [])) for r in strategy.history)
+    if getattr(strategy, "privacy", None) is not None:  # ε spent by the whole run (dp-accounting)
+        extra["privacy"] = strategy.privacy.record(strategy.privacy_released)
     if checkpoint is not None:
         extra["resumed_after_round"] = checkpoint.round
     return out.finish(strategy.history, extra)

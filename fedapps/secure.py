@@ -65,14 +65,15 @@ def answer_stage(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def masked_update(call: ClientCall, update: Update) -> ArrayRecord:
-    """The method's update, masked for this round (the training message carried the round's keys
-    and shares); the fraction of values clipped goes into the metrics as ``secagg-clipped``."""
+def masked_update(call: ClientCall, update: Update, arrays: ArrayRecord) -> ArrayRecord:
+    """The reply's ``arrays`` (the method's uplink), masked for this round (the training message
+    carried the round's keys and shares); the fraction of values clipped goes into the metrics
+    as ``secagg-clipped``."""
     if RECORD not in call.msg.content.config_records:
         raise ClientSetupError("this run has secure aggregation on, but the training message carries no "
                                "secure-aggregation record")
     settings = settings_of(call.cfg)
-    values = codec.decode(update.arrays)
+    values = codec.decode(arrays)
     if str(call.cfg.algorithm.get("uplink", "absolute")) != "delta":
         received = codec.decode(call.arrays)
         values = {k: v.astype(np.float64) - received[k] for k, v in values.items()}

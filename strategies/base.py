@@ -45,6 +45,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from strategies import codec, compress, robust
 from strategies.codec import PayloadError
+from strategies.privacy import Privacy, add_noise
 from strategies.robust import Robustness
 from strategies.secagg import SecAggError
 from strategies.secure_round import KEYS, SHARES, UNMASK, SecureRound, SecureSettings
@@ -101,6 +102,7 @@ class PayloadFedAvg(FedAvg):
         on_round_end: Callable[[RoundRecord], None] | None = None,
         robustness: Robustness | None = None,
         secure: SecureSettings | None = None,
+        privacy: Privacy | None = None,
     ) -> None:
         min_clients = num_clients if min_clients is None else int(min_clients)
         super().__init__(
@@ -136,6 +138,14 @@ class PayloadFedAvg(FedAvg):
                              f"'{self.robustness.aggregator}' needs them (use the mean)")
         if secure is not None and uplink_format not in codec.FORMATS:
             raise ValueError(f"secure aggregation sums dense values: uplink format '{uplink_format}' is not dense")
+        self.privacy = privacy
+        if privacy is not None and self.robustness.aggregator != "mean":
+            raise ValueError(f"differential privacy's noise is calibrated to a mean of clipped updates: robust "
+                             f"aggregator '{self.robustness.aggregator}' does not fit (use the mean)")
+        if privacy is not None and uplink_format not in codec.FORMATS:
+            raise ValueError(f"differential privacy clips and noises dense updates: uplink format '{uplink_format}' "
+                             "is not dense")
+        self.privacy_released = 0  # rounds whose noised aggregate (central) or noised updates (local) went out
         self._secure: SecureRound | None = None
         self._secure_train: list[Message] = []
         self._secure_metrics: list[dict] = []
@@ -194,7 +204,8 @@ class PayloadFedAvg(FedAvg):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON-able metadata) that let a new server process continue this run."""
-        return {k: v.copy() for k, v in self.global_state.items()}, {"history": list(self.history)}
+        return {k: v.copy() for k, v in self.global_state.items()}, {"history": list(self.history),
+                                                                     "privacy_released": self.privacy_released}
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
         """Restore :meth:`state_dict`'s output; the layout (keys, shapes) must be this strategy's."""
@@ -210,6 +221,7 @@ class PayloadFedAvg(FedAvg):
         self.global_state = {k: np.asarray(arrays[k], dtype=np.float32).copy() for k in expected}
         self._downlink = None
         self.history = list(meta.get("history", []))
+        self.privacy_released = int(meta.get("privacy_released", 0))
         self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
         self._round = {}
 
@@ -326,7 +338,15 @@ class PayloadFedAvg(FedAvg):
                 raise PayloadError(f"tensor '{key}' proposes values up to {peak:.3g}, beyond ±{bound:g} ({which})")
 
     def _bound(self, nodes: list[int], payloads: list, weights: list[int]) -> tuple[list, list[int]]:
-        """Cap the example counts and clip the update norms of the accepted replies (recorded)."""
+        """Cap the example counts and clip the update norms of the accepted replies (recorded); with
+        differential privacy, uniform weights and every update clipped to ``privacy.clip`` again."""
+        if self.privacy is not None:
+            for i, node in enumerate(nodes):
+                norm = self.update_norm(payloads[i])
+                if norm > self.privacy.clip * (1 + 1e-6):
+                    payloads[i] = self.scale_update(payloads[i], self.privacy.clip / norm)
+                    self._record_bound(node, "dp-clipped", f"update norm {norm:.4g} clipped to {self.privacy.clip:g}")
+            return payloads, [1] * len(payloads)
         settings = self.robustness
         capped = robust.cap_weights(weights, settings)
         for node, before, after in zip(nodes, weights, capped):
@@ -404,7 +424,22 @@ class PayloadFedAvg(FedAvg):
         payloads, weights = self._bound(nodes, payloads, weights)
         with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused below
             update = self.aggregate_payloads(payloads, weights)
+        if self.privacy is not None:
+            update = self._privatize(server_round, {k: (v.astype(np.float64) - self.global_state[k]) * len(payloads)
+                                                    for k, v in update.items()}, len(payloads))
         return self._apply(server_round, update, metrics, weights)
+
+    def _privatize(self, server_round: int, total: dict[str, np.ndarray], accepted: int) -> dict[str, np.ndarray]:
+        """The new state from the sum of the round's clipped updates: central DP adds N(0, (z·clip)²) to
+        the sum and divides by the number of clients sampled (a fixed denominator); local DP (the
+        clients added their noise) divides by the same. The release is counted for the accountant."""
+        privacy = self.privacy
+        sampled = max(1, len(self._sent.get("train", [])) or accepted)
+        if privacy.mode == "central":
+            total = add_noise(total, privacy.sum_std, privacy.rng(server_round))
+        self.privacy_released += 1
+        self._round["privacy"] = privacy.record(self.privacy_released)
+        return {k: (self.global_state[k].astype(np.float64) + v / sampled).astype(np.float32) for k, v in total.items()}
 
     def _apply(self, server_round: int, update: dict[str, np.ndarray], metrics: list[dict], weights: list):
         """Commit an aggregate that is finite and inside the layout; else refuse the round (state unchanged)."""
@@ -513,7 +548,11 @@ class PayloadFedAvg(FedAvg):
                                  "dropped": {str(k): v for k, v in secure.dropped.items()}}
         # clients always mask their update (what they trained minus what they received), whatever
         # the method's uplink: updates are small, so a narrow clip range resolves them
-        update = {k: (self.global_state[k].astype(np.float64) + v / count).astype(np.float32) for k, v in sums.items()}
+        if self.privacy is not None:
+            update = self._privatize(server_round, sums, count)
+        else:
+            update = {k: (self.global_state[k].astype(np.float64) + v / count).astype(np.float32)
+                      for k, v in sums.items()}
         return self._apply(server_round, update, self._secure_metrics, [1] * count)
 
     def _secure_sent(self, phase: str, messages: list[Message]) -> list[Message]:

@@ -81,6 +81,10 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(overrides="secure_aggregation.enabled=true secure_aggregation.clip=-1"), "clipping range must be a pos"),
         (dict(overrides="secure_aggregation.enabled=true secure_aggregation.bits=30"), "1..24 bits per value"),
         (dict(overrides="secure_aggregation.enabled=yes"), "secure_aggregation.enabled must be true or false"),
+        (dict(algorithm="smartfed", overrides="privacy.mode=central"), "privacy cannot clip and noise algorithm"),
+        (dict(overrides="privacy.mode=local robust=krum"), "robust 'krum' does not fit"),
+        (dict(overrides="privacy.mode=central privacy.epsilon=-1"), "privacy.epsilon .* must be a number > 0"),
+        (dict(overrides="privacy.mode=everywhere"), "privacy.mode must be off, central or local"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):

@@ -12,8 +12,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("algorithm, secure", [("fedavg-lora", False), ("ffa-lora", True), ("fedavg-full", False)])
 def test_baseline_learns_over_three_rounds(algorithm, secure, outputs):
-    """fedprox: test_strategy (its term); ffa-lora runs under secure aggregation (masked updates)."""
-    cfg = compose([f"secure_aggregation.enabled={str(secure).lower()}"], preset="test", algorithm=algorithm)
+    """fedprox: test_strategy (its term); ffa-lora runs under secure aggregation (masked updates) and
+    central differential privacy (clipped updates, seeded noise on their unmasked sum)."""
+    extra = ["privacy.mode=central", "privacy.noise_multiplier=0.01", "privacy.clip=10", "privacy.seed=3"]
+    cfg = compose([f"secure_aggregation.enabled={str(secure).lower()}", *(extra if secure else [])],
+                  preset="test", algorithm=algorithm)
     summary = simulate(cfg)
     rounds = read_metrics(summary["run_dir"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
@@ -21,6 +24,8 @@ def test_baseline_learns_over_three_rounds(algorithm, secure, outputs):
     if secure:  # every round unmasked the sum of both clients' updates
         assert all(r["secure"]["uploaded"] == 2 and r["secure"]["bits"] == 16 for r in rounds[1:])
         assert all(c["secagg_uplink_bytes"] > 0 for r in rounds[1:] for c in r["clients"])
+        assert [r["privacy"]["rounds_released"] for r in rounds[1:]] == [1, 2, 3]
+        assert summary["privacy"]["epsilon"] == rounds[3]["privacy"]["epsilon"] > rounds[1]["privacy"]["epsilon"]
     # loss falls: training loss from round 1 to 3, held-out perplexity from round 0 to 3
     assert mean_train_loss(rounds[3]) < mean_train_loss(rounds[1])
     assert rounds[3]["eval"]["perplexity"] < rounds[0]["eval"]["perplexity"]

@@ -1,0 +1,42 @@
+"""Differential privacy on a node: its update clipped (and, in local mode, noised) before it leaves.
+
+``strategies.privacy`` holds the mechanism and the accountant; this module applies them to
+a method's training reply, whatever the method: it decodes the reply's arrays, takes the
+update (what the node trained minus what it received; FLITE's delta uplink already is one),
+clips it to ``privacy.clip`` in L2 norm, adds the local mode's noise, and encodes the
+result back in the method's own format (an absolute uplink: received + clipped update).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from fedapps.method import ClientCall, Update
+from strategies import codec
+from strategies.privacy import Privacy, add_noise, clip_update
+
+
+def settings_of(cfg) -> Privacy | None:
+    """The run's privacy settings (None when off), as server and clients both derive them."""
+    block = cfg.get("privacy")
+    if not block or block.get("mode") in (None, "off", False):
+        return None
+    return Privacy.from_config(block, rounds=int(cfg.rounds), sample_rate=float(cfg.strategy.fraction_train))
+
+
+def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayRecord:
+    """The reply's arrays with the update clipped (and noised in local mode); ``dp-norm`` (the norm
+    before clipping) goes into the metrics."""
+    cfg = call.cfg
+    values = codec.decode(update.arrays)
+    absolute = str(cfg.algorithm.get("uplink", "absolute")) != "delta"
+    received = codec.decode(call.arrays) if absolute else {}
+    delta = {k: v.astype(np.float64) - received[k] for k, v in values.items()} if absolute else values
+    clipped, norm = clip_update(delta, privacy.clip)
+    if privacy.mode == "local":
+        clipped = add_noise(clipped, privacy.client_std, privacy.rng(call.server_round, call.session.partition_id))
+    update.metrics["dp-norm"] = norm
+    out = {k: (received[k] + v) if absolute else v for k, v in clipped.items()}
+    fmt = str(cfg.algorithm.get("payload", "fp32"))
+    return codec.encode(out, fmt, rng=np.random.default_rng(call.seed) if fmt == "int4" else None)
