@@ -294,7 +294,7 @@ def _check_robust(cfg: DictConfig) -> None:
 
 # why secure aggregation and differential privacy cannot carry a method's updates (both work on
 # dense updates of one layout)
-SECURE_UNSUPPORTED = {
+DENSE_ONLY = {
     "smartfed": "SmartFed's clients send their own active experts (sparse, different per client); a masked "
                 "dense sum over every expert is not built",
     "topk": "top-k updates have each client's own support: masked values cannot be summed coordinate-wise",
@@ -318,13 +318,7 @@ def _check_secure(cfg: DictConfig) -> None:
         raise ConfigError(f"secure_aggregation: {err}") from None
     if settings is None:
         return
-    for key in (str(cfg.algorithm.name), str(cfg.algorithm.get("payload", "fp32"))):
-        if key in SECURE_UNSUPPORTED:
-            raise ConfigError(f"secure_aggregation cannot carry algorithm '{cfg.algorithm.name}' with payload "
-                              f"'{cfg.algorithm.get('payload')}': {SECURE_UNSUPPORTED[key]}")
-    if cfg.robust.aggregator != "mean":
-        raise ConfigError(f"secure_aggregation hides every client's update; robust '{cfg.robust.aggregator}' needs "
-                          "them (use robust=default or robust=off)")
+    _dense_mean_only(cfg, "secure_aggregation", "hides every client's update")
     threshold = settings.threshold
     clients = cfg.num_clients or cfg.task.get("default_clients")
     if threshold is not None and clients and not 2 <= threshold <= int(clients):
@@ -345,13 +339,18 @@ def _check_privacy(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
     if settings is None:
         return
+    _dense_mean_only(cfg, "privacy", "calibrates its noise to the mean of clipped updates")
+
+
+def _dense_mean_only(cfg: DictConfig, what: str, why: str) -> None:
+    """Secure aggregation and differential privacy take dense updates and the mean aggregator."""
     for key in (str(cfg.algorithm.name), str(cfg.algorithm.get("payload", "fp32"))):
-        if key in SECURE_UNSUPPORTED:
-            raise ConfigError(f"privacy cannot clip and noise algorithm '{cfg.algorithm.name}' with payload "
-                              f"'{cfg.algorithm.get('payload')}': {SECURE_UNSUPPORTED[key]}")
+        if key in DENSE_ONLY:
+            raise ConfigError(f"{what} cannot carry algorithm '{cfg.algorithm.name}' with payload "
+                              f"'{cfg.algorithm.get('payload')}': {DENSE_ONLY[key]}")
     if cfg.robust.aggregator != "mean":
-        raise ConfigError(f"privacy's noise is calibrated to the mean of clipped updates; robust "
-                          f"'{cfg.robust.aggregator}' does not fit (use robust=default or robust=off)")
+        raise ConfigError(f"{what} {why}; robust '{cfg.robust.aggregator}' does not fit (use robust=default or "
+                          "robust=off)")
 
 
 def _check_simulation(sim) -> None:
