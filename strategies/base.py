@@ -341,11 +341,15 @@ class PayloadFedAvg(FedAvg):
         """Cap the example counts and clip the update norms of the accepted replies (recorded); with
         differential privacy, uniform weights and every update clipped to ``privacy.clip`` again."""
         if self.privacy is not None:
+            # central: the server's own clip is what the guarantee rests on (a client's counts for nothing);
+            # local: each update is already noised, and clipping it again would only shrink the noise's signal
             for i, node in enumerate(nodes):
-                norm = self.update_norm(payloads[i])
-                if norm > self.privacy.clip * (1 + 1e-6):
+                norm = self.update_norm(payloads[i]) if self.privacy.mode == "central" else 0.0
+                if norm > self.privacy.clip:
                     payloads[i] = self.scale_update(payloads[i], self.privacy.clip / norm)
-                    self._record_bound(node, "dp-clipped", f"update norm {norm:.4g} clipped to {self.privacy.clip:g}")
+                    if norm > 1.01 * self.privacy.clip:  # beyond an int4 payload's rounding of a clipped update
+                        self._record_bound(node, "dp-clipped",
+                                           f"update norm {norm:.4g} clipped to {self.privacy.clip:g}")
             return payloads, [1] * len(payloads)
         settings = self.robustness
         capped = robust.cap_weights(weights, settings)

@@ -83,3 +83,11 @@ def test_local_noise_and_clipping_helpers():
     noisy = add_noise({"a": np.zeros(50_000)}, 0.3, settings.rng(1, 2))
     assert np.std(noisy["a"]) == pytest.approx(0.3, rel=0.02)
     assert np.array_equal(noisy["a"], add_noise({"a": np.zeros(50_000)}, 0.3, settings.rng(1, 2))["a"])
+
+
+def test_local_mode_the_server_averages_the_noised_updates_without_clipping_them_again():
+    settings = privacy(mode="local")
+    noised = {v: np.random.default_rng(v).normal(0, settings.client_std, 20_000).astype(np.float32) for v in (1, 2)}
+    strategy = run_round(settings, noised)
+    np.testing.assert_allclose(strategy.global_state["w"], (noised[1] + noised[2]) / 2, atol=1e-6)
+    assert not strategy._round["bounded"] and strategy._round["privacy"]["mode"] == "local"
