@@ -8,7 +8,8 @@ flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py 
 ``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (bench/fednl.py
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py), ``docs/bench/fuzz_table.md`` and
-``docs/bench/secagg/secagg.md`` (bench/secagg.py). Each report carries the
+``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
+(bench/privacy.py). Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
 and says which report is missing.
 """
@@ -46,6 +47,8 @@ REPORTS = (
     ("Hostile replies: every kind through every strategy", DOCS / "bench" / "fuzz_table.md", "bench/fuzz_table.py",
      None),
     ("Secure aggregation: bytes and time", DOCS / "bench" / "secagg" / "secagg.md", "bench/secagg.py", None),
+    ("Utility vs ε under central DP: FLITE latents vs full weights", DOCS / "bench" / "privacy" / "privacy.md",
+     "bench/privacy.py", None),
 )
 
 
