@@ -108,7 +108,7 @@ def main(argv=None) -> int:
             acc = [r["accuracy"] for r in rows]
             priv = rows[0]["privacy"] or {}
             lost = "—" if key == "inf" else fmt_ci([p - a for p, a in zip(plain, acc)])
-            values = rows[0]["uplink"] // 4 if method == "fedavg-full" else 256
+            values = int(rows[0]["uplink"]) // 4 if method == "fedavg-full" else 256
             lines.append(f"| {method} | {values:,} | {clips[method]:.3g} | {'∞' if key == 'inf' else key} | "
                          f"{priv.get('noise_multiplier', 0):.3g} | {priv.get('epsilon', float('inf')):.3g} | "
                          f"{fmt_ci(acc)} | {lost} |")
