@@ -232,10 +232,11 @@ def test_gradients_reach_every_theta_tensor_through_the_memory(live_model):
     model.zero_grad(set_to_none=True)
 
 
-def test_recurrent_stream_peak_memory_does_not_grow_with_context():
+def stream_peaks(hidden: int = 512) -> dict:
+    """Peak-RSS growth from 1K to 4K streamed tokens: FedNL's recurrent form (least of up to five
+    tries: RSS noise only adds bytes) and a KV-cache backbone. Run in a fresh process by the test."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden = 512  # the KV cache must grow well above the RSS noise (~0-3 MB in a long pytest process)
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          vocab_size=256, intermediate_size=512, max_position_embeddings=16384)
     config._attn_implementation = "sdpa"
@@ -245,24 +246,36 @@ def test_recurrent_stream_peak_memory_does_not_grow_with_context():
     ids = torch.randint(0, 256, (1, 4096), generator=torch.Generator().manual_seed(0))
     streamed_nll(FedNLStreamer(model, block=128), ids[:, :512])  # warm up allocator and kernels
 
-    def peaks(streamer):
+    def growth(streamer):
         samples = {}
         with PeakMemory() as peak:
             streamed_nll(streamer, ids, on_block=lambda n: samples.setdefault(n, peak.sample()))
-        return samples[1024], samples[4096]
+        return samples[4096] - samples[1024]
 
-    kv_1k, kv_4k = peaks(KVCacheStreamer(backbone, block=128))
     kv_growth = 2 * 2 * hidden * 4 * (4096 - 1024)  # layers x (K, V) x channels x fp32 bytes x tokens
-    assert kv_4k - kv_1k >= 0.8 * kv_growth  # the measurement sees the KV cache grow
-    # The recurrent form's peak does not. RSS noise (other threads' arenas, Python's heap) only
-    # ever adds bytes, so the least of three tries is the measurement; real growth shows in each.
-    growth = []
-    for _ in range(3):
-        fednl_1k, fednl_4k = peaks(FedNLStreamer(model, block=128))
-        growth.append(fednl_4k - fednl_1k)
-        if growth[-1] <= 0.15 * kv_growth:
+    fednl = []
+    for _ in range(5):
+        fednl.append(growth(FedNLStreamer(model, block=128)))
+        if fednl[-1] <= 0.15 * kv_growth:
             break
-    assert min(growth) <= 0.15 * kv_growth, growth
+    return {"fednl": fednl, "kv": growth(KVCacheStreamer(backbone, block=128)), "kv_expected": kv_growth}
+
+
+def test_recurrent_stream_peak_memory_does_not_grow_with_context():
+    """Measured in a fresh process: the peak RSS of a long pytest process moves with whatever
+    earlier tests' threads (Ray, gRPC, simulations) still allocate."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = "import json; from tests.test_fednl_app import stream_peaks; print(json.dumps(stream_peaks()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["kv"] >= 0.8 * result["kv_expected"], result  # the measurement sees the KV cache grow
+    assert min(result["fednl"]) <= 0.15 * result["kv_expected"], result  # the recurrent form's peak does not
 
 
 # --------------------------------------------------------------------------- NIAH as a federated task
