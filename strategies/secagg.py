@@ -305,23 +305,14 @@ def reveal(me: int, secrets: ClientSecrets, shares: Mapping[int, bytes], public_
 # ---------------------------------------------------------------------- server side
 def _combine(pieces: list[tuple[int, bytes]], threshold: int, check, limit: int = 2000) -> bytes | None:
     """A secret from ``threshold`` of the shares that passes ``check``, trying other subsets when a
-    share is bad (a hostile holder); None when none does within ``limit`` subsets."""
+    share is bad (a hostile holder); None when none does within ``limit`` subsets. A secret longer
+    than 16 bytes (a mask key) was shared 16 bytes at a time: each block is combined alone."""
     pieces = sorted({index: share for index, share in pieces}.items())
     for subset in itertools.islice(itertools.combinations(pieces, threshold), limit):
-        secret = Shamir.combine(list(subset))
+        size = len(subset[0][1])
+        secret = b"".join(Shamir.combine([(i, share[at:at + 16]) for i, share in subset]) for at in range(0, size, 16))
         if check(secret):
             return secret
-    return None
-
-
-def _combine_key(pieces: list[tuple[int, bytes]], threshold: int, public: bytes) -> bytes | None:
-    low = [(i, s[:16]) for i, s in pieces]
-    high = [(i, s[16:]) for i, s in pieces]
-    pieces = sorted({i: (lo, hi) for (i, lo), (_, hi) in zip(low, high)}.items())
-    for subset in itertools.islice(itertools.combinations(pieces, threshold), 2000):
-        key = Shamir.combine([(i, lo) for i, (lo, _) in subset]) + Shamir.combine([(i, hi) for i, (_, hi) in subset])
-        if public_of(key) == public:
-            return key
     return None
 
 
@@ -352,7 +343,8 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
     for owner in dropped:
         pieces = [(idx, share) for holder in revealed.values() if owner in holder
                   for kind, idx, share in [holder[owner]] if kind == "s"]
-        key = _combine_key(pieces, threshold, public_keys[owner][1]) if len(pieces) >= threshold else None
+        key = _combine(pieces, threshold, lambda k, owner=owner: public_of(k) == public_keys[owner][1]) \
+            if len(pieces) >= threshold else None
         if key is None:
             raise SecAggError(f"the mask key of dropped node {owner} cannot be reconstructed from "
                               f"{len(pieces)} shares")
