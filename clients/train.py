@@ -180,12 +180,17 @@ class Proximal(TrainHooks):
     def __init__(self, model, mu: float, reference: dict[str, torch.Tensor]) -> None:
         if not reference:
             raise TrainingError("FedProx needs the global reference tensors")
-        named = dict(model.named_parameters())
         self.mu = float(mu)
-        self.pairs = [(named[k], v.to(named[k].device)) for k, v in reference.items()]
+        # (module, attribute) read at every step: a parametrized tensor (the latent channel's
+        # received + ΔW(z)) is recomputed there, a plain parameter is itself
+        self.pairs = []
+        for name, value in reference.items():
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path) if path else model
+            self.pairs.append((module, attr, value.to(getattr(module, attr).device)))
 
     def penalty(self) -> torch.Tensor:
-        return 0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in self.pairs)
+        return 0.5 * self.mu * sum(((getattr(m, a) - r) ** 2).sum() for m, a, r in self.pairs)
 
 
 def local_train(

@@ -17,6 +17,7 @@ from clients.flite import frozen_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
+from fedapps.channel import latent_training, server_channel
 from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
                             uplink_kwargs)
 from fedapps.session import uplink_record
@@ -48,13 +49,16 @@ def train(call: ClientCall) -> Update:
     cfg, s = call.cfg, call.session
     received = load_global(s.model, call.arrays)
     mu = float(call.config.get("proximal-mu", 0.0))
-    metrics = local_train(
-        s.model, s.task, cfg.train,
-        seed=call.seed,
-        proximal_mu=mu, reference=received if mu > 0 else None,
-    )
+    with latent_training(call, s.model, s.extra["names"]) as latent:  # None unless channel=latent
+        metrics = local_train(
+            s.model, s.task, cfg.train,
+            seed=call.seed,
+            proximal_mu=mu, reference=received if mu > 0 else None,
+        )
     if cfg.algorithm.get("eval_local", False):  # the aggregation drop: this model vs the federated one
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
+    if latent is not None:
+        return Update(metrics, latent.record(cfg, call.context, call.seed))
     state = federated_state(s.model, s.extra["names"])
     arrays = uplink_record(cfg, call.context, {k: v.numpy() for k, v in state.items()},
                            {k: v.numpy() for k, v in received.items()}, call.seed)
@@ -105,6 +109,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         initial_state=initial,
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         **uplink_kwargs(cfg.algorithm),
+        channel=server_channel(cfg, {k: v.numpy() for k, v in federated_state(model, extra["names"]).items()}),
     )
     name = cfg.algorithm.name
     if name == "fedprox":

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "task", "model", "partition", "preset", "robust", "base")
+GROUPS = ("algorithm", "task", "model", "partition", "preset", "robust", "base", "channel")
 # run_config keys (pyproject [tool.flwr.app.config]) that are not Hydra groups
 RUN_CONFIG_KEYS = (*GROUPS, "overrides", "output-dir")
 
@@ -212,6 +212,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     if cfg.algorithm.trainable == "lora" and kind not in ("causal_lm", "vision"):
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' adapts a causal LM or a vision backbone; "
                           f"use fedavg-full for '{cfg.model.name}'")
+    _apply_channel(cfg)
     _check_uplink(cfg.algorithm)
     _check_learning_rates(cfg.algorithm)
     if cfg.get("tracking") not in (None, "tensorboard"):
@@ -364,6 +365,16 @@ def _check_simulation(sim) -> None:
                           f"number >= 0, got {cpus!r} / {gpus!r}")
 
 
+def _apply_channel(cfg: DictConfig) -> None:
+    """The ``channel`` group sets the algorithm's wire settings, or says why the method cannot carry it."""
+    from fedapps.channel import ChannelError, apply
+
+    try:
+        apply(cfg)
+    except ChannelError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _check_uplink(algorithm) -> None:
     """``algorithm.payload`` / ``uplink`` / ``compression`` make a format the strategy accepts."""
     from strategies.compress import UPDATE_FORMATS, check_format
@@ -372,9 +383,11 @@ def _check_uplink(algorithm) -> None:
     if fmt not in UPDATE_FORMATS:
         raise ConfigError(f"algorithm.payload '{fmt}' is not a payload format; valid: {', '.join(UPDATE_FORMATS)}")
     if fmt in ("topk", "powersgd"):
-        if algorithm.get("trainable") != "full" or str(algorithm.get("uplink", "absolute")) != "delta":
-            raise ConfigError(f"algorithm.payload={fmt} compresses full-weight updates: use algorithm=topk-ef or "
-                              "algorithm=powersgd (trainable: full, uplink: delta)")
+        if fmt not in (algorithm.get("channels") or []) and algorithm.name not in ("topk-ef", "powersgd") \
+                or str(algorithm.get("uplink", "absolute")) != "delta":
+            raise ConfigError(f"algorithm.payload={fmt} compresses updates: use channel={fmt} with a method that "
+                              f"carries it (algorithm '{algorithm.name}' carries: "
+                              f"{', '.join(map(str, algorithm.get('channels') or [])) or 'its own format only'})")
         comp = algorithm.get("compression") or {}
         try:
             check_format(fmt, comp.get("topk_fraction"), comp.get("powersgd_rank"))

@@ -42,8 +42,10 @@ from clients.fednl import (
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
+from fedapps.channel import latent_training, server_channel
 from fedapps.method import (ClientCall, Method, ServerPlan, Update, final_file, learning_rates,
-                            strategy_settings)
+                            strategy_settings, uplink_kwargs)
+from fedapps.session import uplink_record
 from strategies import codec
 from strategies.fednl import FedNL, gate_alpha
 
@@ -169,15 +171,19 @@ def gate_metrics(model) -> dict[str, float]:
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
     cfg, s = call.cfg, call.session
-    load_theta(s.model, call.arrays)
+    received = load_theta(s.model, call.arrays)
     restore_local(s, call.context)
-    metrics = local_train(s.model, s.task, cfg.train, seed=call.seed, lr_by_name=learning_rates(cfg, LR_PATTERNS))
+    with latent_training(call, s.model, s.extra["names"]) as latent:  # None unless channel=latent
+        metrics = local_train(s.model, s.task, cfg.train, seed=call.seed, lr_by_name=learning_rates(cfg, LR_PATTERNS))
     metrics.update(gate_metrics(s.model))
     if cfg.algorithm.get("eval_local", False):
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
     keep_local(s, call.context)
+    if latent is not None:
+        return Update(metrics, latent.record(cfg, call.context, call.seed))
     theta = federated_state(s.model, s.extra["names"])
-    return Update(metrics, codec.encode({k: v.numpy() for k, v in theta.items()}, str(cfg.algorithm.payload)))
+    return Update(metrics, uplink_record(cfg, call.context, {k: v.numpy() for k, v in theta.items()},
+                                         {k: v.numpy() for k, v in received.items()}, call.seed))
 
 
 def evaluate(call: ClientCall) -> dict:
@@ -199,7 +205,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         mode=mode,
         initial_state=initial,
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
-        uplink_format=str(cfg.algorithm.payload),
+        **uplink_kwargs(cfg.algorithm),
+        channel=server_channel(cfg, initial),
     )
 
     def save_final(global_state: dict[str, np.ndarray], run_dir) -> dict:

@@ -44,6 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from strategies import codec, compress, robust
+from strategies.channel import LatentChannel
 from strategies.codec import PayloadError
 from strategies.privacy import Privacy, add_noise
 from strategies.robust import Robustness
@@ -103,6 +104,7 @@ class PayloadFedAvg(FedAvg):
         robustness: Robustness | None = None,
         secure: SecureSettings | None = None,
         privacy: Privacy | None = None,
+        channel: LatentChannel | None = None,
     ) -> None:
         min_clients = num_clients if min_clients is None else int(min_clients)
         super().__init__(
@@ -124,6 +126,12 @@ class PayloadFedAvg(FedAvg):
         missing = set(self.uplink_keys) - set(self.global_state)
         if missing:
             raise ValueError(f"uplink keys not in the global state: {sorted(missing)[:5]}")
+        self.channel = channel
+        if channel is not None:
+            if uplink != "delta" or uplink_format not in codec.FORMATS:
+                raise ValueError("the latent channel sends each round's latents: uplink='delta', fp32 or int4")
+            if channel.keys != self.uplink_keys:
+                raise ValueError("the latent channel must cover exactly the federated tensors")
         self.config_yaml = config_yaml
         self.uplink_format = uplink_format
         self.downlink_format = downlink_format
@@ -158,7 +166,17 @@ class PayloadFedAvg(FedAvg):
 
     # ------------------------------------------------------------------ helpers
     def layout(self) -> dict[str, tuple[int, ...]]:
+        """What a training reply carries: the uplink keys' shapes, or the latent channel's vector."""
+        if self.channel is not None:
+            return self.channel.layout()
         return {k: tuple(self.global_state[k].shape) for k in self.uplink_keys}
+
+    def advance(self, server_round: int, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The new global values from a combined update in payload space: ``global + update``
+        (through the latent channel's expansion first, when the payload is latents)."""
+        if self.channel is not None:
+            update = self.channel.expand(server_round, update)
+        return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in update.items()}
 
     def downlink_arrays(self) -> ArrayRecord:
         """What every client receives, encoded once per global state and reused until it changes
@@ -315,6 +333,9 @@ class PayloadFedAvg(FedAvg):
     def proposed_values(self, payload):
         """(key, values) a client proposes for the global state: what ``max_abs`` and
         :meth:`value_bounds` are checked against."""
+        if self.channel is not None:  # latents: the values of the federated tensors they would move to
+            yield from self.advance(self._round.get("round", 0), payload).items()
+            return
         for key, value in payload.items():
             yield key, (value if self.uplink == "absolute" else self.global_state[key] + value)
 
@@ -383,11 +404,11 @@ class PayloadFedAvg(FedAvg):
         if self.robustness.aggregator != "mean":
             combined = robust.aggregate([self.client_update(p) for p in payloads], [float(w) for w in weights],
                                         self.robustness)
-            return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in combined.items()}
+            return self.advance(self._round.get("round", 0), combined)
         mean = weighted_mean(payloads, [float(w) for w in weights])
         if self.uplink == "absolute":
             return mean
-        return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in mean.items()}
+        return self.advance(self._round.get("round", 0), mean)
 
     def commit(self, update: dict[str, np.ndarray]) -> None:
         """Replace the global values of the aggregated keys (a subclass keeps its own state in step)."""
@@ -427,10 +448,12 @@ class PayloadFedAvg(FedAvg):
             return None, None
         payloads, weights = self._bound(nodes, payloads, weights)
         with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused below
-            update = self.aggregate_payloads(payloads, weights)
-        if self.privacy is not None:
-            update = self._privatize(server_round, {k: (v.astype(np.float64) - self.global_state[k]) * len(payloads)
-                                                    for k, v in update.items()}, len(payloads))
+            if self.privacy is not None:  # the sum of the clipped updates (uniform weights), noised in payload space
+                updates = [self.client_update(p) for p in payloads]
+                total = {k: np.sum([u[k].astype(np.float64) for u in updates], axis=0) for k in updates[0]}
+                update = self._privatize(server_round, total, len(payloads))
+            else:
+                update = self.aggregate_payloads(payloads, weights)
         return self._apply(server_round, update, metrics, weights)
 
     def _privatize(self, server_round: int, total: dict[str, np.ndarray], accepted: int) -> dict[str, np.ndarray]:
@@ -443,7 +466,7 @@ class PayloadFedAvg(FedAvg):
             total = add_noise(total, privacy.sum_std, privacy.rng(server_round))
         self.privacy_released += 1
         self._round["privacy"] = privacy.record(self.privacy_released)
-        return {k: (self.global_state[k].astype(np.float64) + v / sampled).astype(np.float32) for k, v in total.items()}
+        return self.advance(server_round, {k: v / sampled for k, v in total.items()})
 
     def _apply(self, server_round: int, update: dict[str, np.ndarray], metrics: list[dict], weights: list):
         """Commit an aggregate that is finite and inside the layout; else refuse the round (state unchanged)."""
@@ -555,8 +578,7 @@ class PayloadFedAvg(FedAvg):
         if self.privacy is not None:
             update = self._privatize(server_round, sums, count)
         else:
-            update = {k: (self.global_state[k].astype(np.float64) + v / count).astype(np.float32)
-                      for k, v in sums.items()}
+            update = self.advance(server_round, {k: v / count for k, v in sums.items()})
         return self._apply(server_round, update, self._secure_metrics, [1] * count)
 
     def _secure_sent(self, phase: str, messages: list[Message]) -> list[Message]:

@@ -1,0 +1,226 @@
+"""The channel a method's updates travel through (the ``channel`` config group).
+
+The channel is orthogonal to the method: the method decides what is trained and federated
+(its tensors θ_fed), the channel how an update of θ_fed travels. ``channel=method`` (the
+default) keeps the method's own wire format; the others set it at compose time
+(:func:`apply`, called by ``fedapps.config.finalize``):
+
+==========  ==============================================================================
+fp32        every federated value as fp32 (``algorithm.payload=fp32``)
+int4        the update (trained − received), 4 bits a value with stochastic rounding
+topk        the update's top-k entries per tensor, with error feedback
+powersgd    the update as rank-r PowerSGD factors, with error feedback
+latent      FLITE's seed-regenerated subspace on θ_fed: the client trains only the latents
+            ``z`` of ``θ_fed = θ_fed,global + ΔW(z)`` and sends ``z`` (fp32 or int4)
+==========  ==============================================================================
+
+A method lists the channels it carries in its ``conf/algorithm/<name>.yaml``
+(``channels:``); any other choice is refused when the config is composed.
+
+The latent channel, both sides: :func:`allocate` shares ``channel.latents`` among the
+federated tensors (in proportion to the square root of their sizes, at most
+``channel.rank`` and the tensor's size each); :func:`round_factors` regenerates each tensor's
+factors for a round from ``channel.seed`` (``clients.flite.layer``: bit-identical on every
+machine, drawn afresh each round); :func:`server_channel` gives the strategy its
+``strategies.channel.LatentChannel``; :func:`latent_training` attaches the latents to the
+client's model (``torch.nn.utils.parametrize``: each federated tensor becomes ``received +
+ΔW(z)``, the received value frozen) for the length of local training and encodes ``z``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn.utils import parametrize
+
+from strategies.channel import LATENT_KEY, LatentChannel, matrix_shape
+
+CHANNELS = ("method", "fp32", "int4", "topk", "powersgd", "latent")
+
+
+class ChannelError(ValueError):
+    """A channel setting that cannot work; the message says why."""
+
+
+@dataclass(frozen=True)
+class LatentSettings:
+    latents: int
+    rank: int
+    seed: int
+    scale: float
+    split: str
+
+    @classmethod
+    def of(cls, cfg) -> LatentSettings | None:
+        block = cfg.get("channel")
+        if not block or block.get("name") != "latent":
+            return None
+        try:
+            settings = cls(latents=int(block.latents), rank=int(block.rank), seed=int(block.seed),
+                           scale=float(block.scale), split=str(block.split))
+        except (TypeError, ValueError) as err:
+            raise ChannelError(f"channel: {err}") from None
+        if settings.latents < 1 or settings.rank < 1 or not settings.scale > 0:
+            raise ChannelError("channel.latents and channel.rank must be >= 1 and channel.scale > 0")
+        if not 0 <= settings.seed < 2**64:
+            raise ChannelError(f"channel.seed must be an unsigned 64-bit integer, got {settings.seed}")
+        if settings.split not in ("sqrt", "numel", "equal"):
+            raise ChannelError(f"channel.split must be sqrt, numel or equal, got {settings.split!r}")
+        return settings
+
+
+settings_of = LatentSettings.of
+
+
+# ---------------------------------------------------------------------------- compose time
+def apply(cfg) -> None:
+    """Write the chosen channel into the algorithm's wire settings (``payload``, ``uplink``,
+    ``compression``), or raise ChannelError when the method cannot carry it. ``cfg`` must be
+    writable (``finalize`` calls this before the config is frozen)."""
+    block = cfg.get("channel")
+    name = str(block.get("name", "method")) if block else "method"
+    if name not in CHANNELS:
+        raise ChannelError(f"unknown channel '{name}'; valid: {', '.join(CHANNELS)}")
+    if name == "method":
+        return
+    algorithm = cfg.algorithm
+    carried = [str(c) for c in (algorithm.get("channels") or [])]
+    if name not in carried:
+        why = algorithm.get("channel_note") or "its updates have a form of their own"
+        raise ChannelError(f"algorithm '{algorithm.name}' cannot travel through channel '{name}': {why} "
+                           f"(it carries: method{''.join(', ' + c for c in carried)})")
+    if name == "latent":
+        settings_of(cfg)  # its settings are checked here, not on the first client
+        fmt = str(block.get("format", "int4"))
+        if fmt not in ("fp32", "int4"):
+            raise ChannelError(f"channel.format must be fp32 or int4, got {fmt!r}")
+        algorithm.payload, algorithm.uplink = fmt, "delta"
+        return
+    algorithm.payload = name
+    if name == "fp32" or "uplink" not in algorithm:  # (SmartFed's expert updates have no uplink setting)
+        return
+    algorithm.uplink = "delta"
+    if name in ("topk", "powersgd"):
+        algorithm.compression = {"topk_fraction": block.get("topk_fraction"),
+                                 "powersgd_rank": block.get("powersgd_rank"),
+                                 "error_feedback": bool(block.get("error_feedback", True))}
+
+
+# ---------------------------------------------------------------------------- the latent subspace
+def allocate(shapes: dict[str, tuple[int, ...]], settings: LatentSettings) -> dict[str, int]:
+    """Each federated tensor's latents: ``settings.latents`` split (``sqrt``: by the square root of
+    its size, ``numel``: by its size, ``equal``), at least 1 and at most ``min(rank, size)`` each."""
+    from clients.flite.model import split_budget
+
+    keys = sorted(shapes)
+    sizes = [math.prod(matrix_shape(shapes[k])) for k in keys]
+    weights = {"sqrt": [math.sqrt(s) for s in sizes], "numel": [float(s) for s in sizes],
+               "equal": [1.0] * len(sizes)}[settings.split]
+    caps = [min(settings.rank, s) for s in sizes]
+    try:
+        return dict(zip(keys, split_budget(settings.latents, weights, caps)))
+    except ValueError as err:
+        raise ChannelError(f"channel.latents={settings.latents} over {len(keys)} federated tensors: {err} (lower channel.latents or raise channel.rank)") from None
+
+
+def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], latents: dict[str, int],
+                  server_round: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each tensor's ``(A, B, V)`` of round ``server_round`` (CPU fp32; ``V`` orthonormalised and scaled
+    so that a latent vector of unit-RMS coordinates moves the tensor by ``scale`` in RMS)."""
+    from clients.flite.layer import LayerSpec, build_factors
+
+    out = {}
+    for key in sorted(shapes):
+        m, n = matrix_shape(shapes[key])
+        k = latents[key]
+        spec = LayerSpec(name=f"channel/round-{int(server_round)}/{key}", kind="linear", matrix_shape=(m, n),
+                         latents=k, rank=max(k, min(settings.rank, m * n)), param_names=("weight",))
+        factors = build_factors(settings.seed, spec, [], settings.scale, "unit")
+        out[key] = (factors.A, factors.B, factors.basis)
+    return out
+
+
+def server_channel(cfg, initial_state: dict[str, np.ndarray]) -> LatentChannel | None:
+    """The strategy's view of the latent channel over ``initial_state``'s tensors (None when off)."""
+    settings = settings_of(cfg)
+    if settings is None:
+        return None
+    shapes = {k: tuple(np.shape(v)) for k, v in initial_state.items()}
+    latents = allocate(shapes, settings)
+
+    def factors(server_round: int):
+        return {k: tuple(t.numpy() for t in f) for k, f in round_factors(settings, shapes, latents,
+                                                                          server_round).items()}
+
+    return LatentChannel(shapes, latents, factors)
+
+
+# ---------------------------------------------------------------------------- the client
+class LatentDelta(nn.Module):
+    """A parametrization: the frozen received value plus ``ΔW(z)``; ``z`` (zeros) is what trains."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, V: torch.Tensor, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = tuple(shape)
+        self.z = nn.Parameter(torch.zeros(V.shape[0], dtype=torch.float32, device=A.device))
+        self.register_buffer("A", A, persistent=False)
+        self.register_buffer("B", B, persistent=False)
+        self.register_buffer("V", V, persistent=False)
+
+    def forward(self, received: torch.Tensor) -> torch.Tensor:
+        s = self.z @ self.V
+        return received + ((self.A * s) @ self.B).reshape(self.shape).to(received.dtype)
+
+
+class LatentRun:
+    """One round's latents on a client: attached by :func:`latent_training`, read after it."""
+
+    def __init__(self) -> None:
+        self.z: np.ndarray | None = None
+
+    def record(self, cfg, context, seed: int):
+        """The uplink: ``{LATENT_KEY: z}`` in ``channel.format`` (int4 with seeded stochastic rounding)."""
+        from fedapps.session import uplink_record
+
+        return uplink_record(cfg, context, {LATENT_KEY: self.z}, {LATENT_KEY: np.zeros_like(self.z)}, seed)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+@contextlib.contextmanager
+def latent_training(call, model: nn.Module, names: list[str]):
+    """Train ``names`` (the federated tensors, holding the received values) only through this round's
+    latents: yields a :class:`LatentRun` (None when the run's channel is not latent). On exit the
+    model's tensors hold ``received + ΔW(z)`` as plain parameters again, and ``run.z`` the latents."""
+    settings = settings_of(call.cfg)
+    if settings is None:
+        yield None
+        return
+    params = dict(model.named_parameters())
+    shapes = {n: tuple(params[n].shape) for n in names}
+    latents = allocate(shapes, settings)
+    factors = round_factors(settings, shapes, latents, call.server_round)
+    run, attached = LatentRun(), []
+    try:
+        for name in sorted(names):
+            param = params[name]
+            module, attr = _owner(model, name)
+            A, B, V = (t.to(param.device) for t in factors[name])
+            parametrize.register_parametrization(module, attr, LatentDelta(A, B, V, tuple(param.shape)), unsafe=True)
+            attached.append((name, module, attr, param.requires_grad))
+            module.parametrizations[attr].original.requires_grad_(False)
+        yield run
+        run.z = np.concatenate([module.parametrizations[attr][0].z.detach().cpu().numpy()
+                                for _, module, attr, _ in attached]).astype(np.float32)
+    finally:
+        for name, module, attr, trainable in reversed(attached):
+            parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
+            getattr(module, attr).requires_grad_(trainable)

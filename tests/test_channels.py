@@ -1,0 +1,235 @@
+"""Channels: any method's updates through fp32 / int4 / top-k / PowerSGD / latents (fedapps.channel)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from omegaconf import OmegaConf
+
+from fedapps import client_app, registry
+from fedapps.channel import CHANNELS, ChannelError, latent_training, round_factors, server_channel, settings_of
+from fedapps.config import ConfigError, choices, compose, to_yaml
+from strategies import codec
+from strategies.base import CONFIG_RECORD, PayloadFedAvg
+from strategies.channel import LATENT_KEY
+from strategies.privacy import Privacy
+from strategies.robust import Robustness
+from strategies.secure_round import SecureSettings, local_round
+
+torch.set_num_threads(1)
+
+
+K = 20  # latents of the small layout below (at most 16 + 6 + 1 fit)
+
+
+def latent_cfg(**kw):
+    block = {"name": "latent", "latents": K, "format": "fp32", "split": "sqrt", "rank": 16, "scale": 1.0, "seed": 5}
+    block.update(kw)
+    return OmegaConf.create({"channel": block})
+
+
+STATE = {"w": np.linspace(-1, 1, 96, dtype=np.float32).reshape(8, 12), "b": np.zeros(6, np.float32),
+         "g": np.array(-4.0, np.float32)}
+
+
+def latent_strategy(**kw):
+    return PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=4, uplink="delta",
+                         channel=server_channel(latent_cfg(), STATE), **kw)
+
+
+def reply(node, z, examples=10):
+    request = Message(RecordDict({}), dst_node_id=node, message_type="train")
+    content = RecordDict({"arrays": codec.encode({LATENT_KEY: z}), "metrics": MetricRecord({"num-examples": examples})})
+    return Message(content, reply_to=request)
+
+
+def change(strategy):
+    return {k: strategy.global_state[k].astype(np.float64) - STATE[k] for k in STATE}
+
+
+# --------------------------------------------------------------------------- compose time
+def test_every_method_and_channel_composes_or_is_refused_with_the_reason():
+    for algorithm in choices("algorithm"):
+        carried = compose(preset="test", algorithm=algorithm).algorithm.get("channels") or []
+        for channel in CHANNELS:
+            if channel == "method" or channel in carried:
+                cfg = compose(preset="test", algorithm=algorithm, channel=channel)
+                if channel != "method":
+                    assert cfg.algorithm.payload == (cfg.channel.format if channel == "latent" else channel)
+            else:
+                with pytest.raises(ConfigError, match=f"cannot travel through channel '{channel}': .+"):
+                    compose(preset="test", algorithm=algorithm, channel=channel)
+    # the channel is the wire: format, uplink and compression follow it
+    cfg = compose(["channel.topk_fraction=0.05"], preset="test", algorithm="fedavg-lora", channel="topk")
+    assert (cfg.algorithm.payload, cfg.algorithm.uplink, cfg.algorithm.compression.topk_fraction) == ("topk", "delta", 0.05)
+    assert compose(preset="test", algorithm="fednl", channel="int4").algorithm.uplink == "delta"
+    with pytest.raises(ConfigError, match="secure_aggregation cannot carry .* top-k"):
+        compose(["secure_aggregation.enabled=true"], preset="test", algorithm="fednl", channel="topk")
+    with pytest.raises(ConfigError, match="channel.format must be fp32 or int4"):
+        compose(["channel.format=int8"], preset="test", algorithm="fednl", channel="latent")
+    cfg = compose(["channel.latents=100000"], preset="test", algorithm="fednl", channel="latent")
+    with pytest.raises(ChannelError, match="exceeds"):  # more latents than θ's tensors can take: at server start
+        registry.get("fednl").plan_server(cfg, on_round_end=None, config_yaml="")
+
+
+# --------------------------------------------------------------------------- the latent channel, server side
+def test_the_latent_mean_expands_to_the_mean_update_and_clients_and_server_agree():
+    strategy = latent_strategy()
+    channel = strategy.channel
+    assert channel.layout() == {LATENT_KEY: (K,)} and strategy.uplink_budget == 4 * K
+    rng = np.random.default_rng(0)
+    zs = {v: rng.normal(0, 0.1, K).astype(np.float32) for v in (1, 2, 3)}
+    strategy.aggregate_train(1, [reply(v, z, examples=10 * v) for v, z in zs.items()])
+    expected = {k: sum(10 * v * channel.expand(1, {LATENT_KEY: z})[k] for v, z in zs.items()) / 60 for k in STATE}
+    for key in STATE:  # the averaging identity: mean of latents -> mean of the updates
+        np.testing.assert_allclose(change(strategy)[key], expected[key], atol=1e-6)
+    # every tensor moved, along its own orthonormal directions: ||ΔW_k|| = c_k ||z_k||
+    z = channel.split(zs[1])
+    delta = channel.expand(1, {LATENT_KEY: zs[1]})
+    for key in STATE:
+        m, n = (8, 12) if key == "w" else ((1, 6) if key == "b" else (1, 1))
+        c = np.sqrt(m * n / channel.latents[key])
+        assert np.linalg.norm(delta[key]) == pytest.approx(c * np.linalg.norm(z[key]), rel=1e-4)
+    # another round, other directions
+    assert not np.allclose(channel.expand(2, {LATENT_KEY: zs[1]})["w"], delta["w"])
+
+    # a client's model: the same factors, so received + ΔW(z) is what the server adds
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.from_numpy(STATE["w"].copy()))
+    model.sub = torch.nn.Module()
+    model.sub.b = torch.nn.Parameter(torch.zeros(6))
+    model.g = torch.nn.Parameter(torch.tensor(-4.0))
+    names = ["w", "sub.b", "g"]
+    call = SimpleNamespace(cfg=latent_cfg(), server_round=1)
+    shapes = {"w": (8, 12), "sub.b": (6,), "g": ()}
+    server = server_channel(latent_cfg(), {k: np.zeros(s, np.float32) for k, s in shapes.items()})
+    with latent_training(call, model, names) as run:
+        assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == \
+            sorted(f"{o}parametrizations.{a}.0.z" for o, a in (("", "g"), ("sub.", "b"), ("", "w")))
+        with torch.no_grad():  # set the latents by hand: a trained round
+            for module, attr in ((model, "g"), (model.sub, "b"), (model, "w")):
+                param = module.parametrizations[attr][0].z
+                param.copy_(torch.from_numpy(server.split(zs[2])[{"g": "g", "b": "sub.b", "w": "w"}[attr]]))
+    np.testing.assert_array_equal(run.z, zs[2])
+    params = dict(model.named_parameters())  # plain parameters again, trainable as before, holding the result
+    assert sorted(params) == ["g", "sub.b", "w"] and all(p.requires_grad for p in params.values())
+    moved = server.expand(1, {LATENT_KEY: zs[2]})
+    np.testing.assert_allclose(params["w"].detach().numpy(), STATE["w"] + moved["w"], atol=1e-6)
+    np.testing.assert_allclose(params["sub.b"].detach().numpy(), moved["sub.b"], atol=1e-6)
+    # the factors are regenerated, not sent: the same bits in any process (FLITE's generator)
+    again = round_factors(settings_of(latent_cfg()), shapes, server.latents, 1)
+    assert all(torch.equal(a, b) for k in shapes for a, b in zip(again[k], round_factors(
+        settings_of(latent_cfg()), shapes, server.latents, 1)[k]))
+
+
+def test_a_hostile_latent_reply_moves_the_model_at_most_the_documented_bound():
+    strategy = latent_strategy(robustness=Robustness(norm_clip=0.5))
+    huge = np.full(K, 1e4, np.float32)
+    strategy.aggregate_train(1, [reply(1, np.zeros(K, np.float32)), reply(2, huge)])
+    moved = np.sqrt(sum(np.sum(v ** 2) for v in change(strategy).values()))
+    bound = strategy.channel.gain(1) * 0.5 / 2  # its clipped latents, half the mean
+    assert 0 < moved <= bound * (1 + 1e-5)
+    assert [b["kind"] for b in strategy._round["bounded"]] == ["norm-clipped"]
+    # a reply of the wrong size is refused before anything is decoded
+    strategy.aggregate_train(2, [reply(1, np.zeros(K + 1, np.float32))])
+    assert f"shape ({K + 1},)" in strategy._round["refused"][0]["reason"]
+
+
+def test_privacy_noise_is_added_to_the_latents_and_stays_in_the_rounds_subspace():
+    block = {"mode": "central", "epsilon": 4.0, "delta": 1e-5, "clip": 0.5, "noise_multiplier": None, "seed": 3}
+    strategy = latent_strategy(privacy=Privacy.from_config(block, rounds=5, sample_rate=1.0))
+    strategy._start_round(1)
+    strategy._sent["train"] = [Message(RecordDict({}), dst_node_id=v, message_type="train") for v in (1, 2)]
+    strategy.aggregate_train(1, [reply(1, np.zeros(K, np.float32)), reply(2, np.zeros(K, np.float32))])
+    assert strategy._round["privacy"]["rounds_released"] == 1
+    moved = change(strategy)
+    flat = np.concatenate([moved[k].ravel() for k in strategy.channel.keys])
+    basis = np.stack([np.concatenate([v.ravel() for _, v in sorted(strategy.channel.expand(1, {
+        LATENT_KEY: np.eye(K, dtype=np.float32)[j]}).items())]) for j in range(K)], axis=1)
+    z, *_ = np.linalg.lstsq(basis, flat, rcond=None)
+    assert np.linalg.norm(flat) > 0 and np.linalg.norm(basis @ z - flat) < 1e-5 * np.linalg.norm(flat)
+    # N(0, (z·clip)²) on the 20 summed latents (not on the 103 values of θ), / the 2 sampled clients
+    assert np.std(z) == pytest.approx(strategy.privacy.sum_std / 2, rel=0.5)
+
+
+def test_secure_aggregation_sums_latents_and_the_server_expands_the_mean():
+    settings = SecureSettings(bits=16, clip=0.5)
+    strategy = latent_strategy(secure=settings)
+    rng = np.random.default_rng(1)
+    zs = {v: {LATENT_KEY: rng.normal(0, 0.05, K)} for v in (1, 2, 3)}
+    local_round(strategy, zs)
+    expected = strategy.channel.expand(1, {LATENT_KEY: np.mean([z[LATENT_KEY] for z in zs.values()], axis=0)})
+    for key in STATE:  # the masked sum of the latents, within the fixed-point step
+        np.testing.assert_allclose(change(strategy)[key], expected[key], atol=1e-3)
+
+
+# --------------------------------------------------------------------------- methods through channels, in process
+def context(node):
+    return Context(run_id=1, node_id=node, node_config={"partition-id": node - 1, "num-partitions": 2},
+                   state=RecordDict(), run_config={})
+
+
+def message(cfg, arrays, phase, server_round, node):
+    return Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": server_round}),
+                               CONFIG_RECORD: ConfigRecord({"yaml": to_yaml(cfg)})}), dst_node_id=node,
+                   message_type=phase)
+
+
+def train_round(cfg, strategy, server_round, nodes):
+    return [client_app.app(message(cfg, strategy.downlink_arrays(), "train", server_round, v), c)
+            for v, c in nodes.items()]
+
+
+@pytest.mark.parametrize("channel", ["fp32", "int4", "topk", "powersgd", "latent"])
+def test_fedavg_lora_through_each_channel_averages_what_the_clients_sent(channel):
+    cfg = compose(["train.local_steps=2", "channel.rank=128"] if channel == "latent" else ["train.local_steps=2"],
+                  preset="test", algorithm="fedavg-lora", channel=channel)
+    strategy = registry.get("fedavg-lora").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    before = {k: v.copy() for k, v in strategy.global_state.items()}
+    replies = train_round(cfg, strategy, 1, {1: context(1), 2: context(2)})
+    updates, weights = [], []
+    for rep in replies:
+        payload, examples = strategy.validate_reply(rep)
+        update = strategy.client_update(payload)
+        updates.append(strategy.channel.expand(1, update) if channel == "latent" else update)
+        weights.append(examples)
+    strategy.aggregate_train(1, replies)
+    assert strategy._round["accepted"] == 2 and not strategy._round["refused"]
+    for key in strategy.uplink_keys:
+        mean = sum(w * u[key] for w, u in zip(weights, updates)) / sum(weights)
+        np.testing.assert_allclose(strategy.global_state[key] - before[key], mean, atol=2e-6)
+    nbytes = {codec.payload_bytes(r.content["arrays"]) for r in replies}
+    values = sum(before[k].size for k in strategy.uplink_keys)
+    if channel in ("fp32", "latent"):
+        assert nbytes == {4 * values if channel == "fp32" else 648}
+    else:
+        # int4: half a byte a value + scales; top-k: 1% (8 bytes each); PowerSGD: rank 4 of 8-row LoRA factors
+        assert max(nbytes) < (4 * values if channel == "powersgd" else values)
+
+
+def test_fednl_learns_through_a_648_byte_latent_channel():
+    cfg = compose(["channel.rank=128", "rounds=3", "algorithm.eval_local=false"], preset="test", algorithm="fednl",
+                  channel="latent")
+    strategy = registry.get("fednl").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    nodes = {1: context(1), 2: context(2)}
+
+    def evaluate(server_round):
+        replies = [client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", server_round, v), c)
+                   for v, c in nodes.items()]
+        return strategy.aggregate_evaluate(server_round, replies)["loss"]
+
+    losses = [evaluate(0)]
+    gates = strategy.global_state[next(k for k in strategy.global_state if k.endswith("fednl_gate"))].copy()
+    for server_round in (1, 2, 3):
+        replies = train_round(cfg, strategy, server_round, nodes)
+        assert [codec.payload_bytes(r.content["arrays"]) for r in replies] == [648, 648]  # 1,280 int4 latents
+        strategy.aggregate_train(server_round, replies)
+        losses.append(evaluate(server_round))
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.03, losses
+    # the meta-rules moved, the gate among them: θ is trained through the latents only
+    assert not np.array_equal(gates, strategy.global_state[next(k for k in strategy.global_state
+                                                                 if k.endswith("fednl_gate"))])
