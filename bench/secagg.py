@@ -46,16 +46,16 @@ def protocol_row(n: int, values: int, payload: str) -> dict:
     nodes = list(range(101, 101 + n))
     updates = {v: {"x": np.random.default_rng(v).normal(0, 0.01, values)} for v in nodes}
     timings: dict = {}
-    local_round(strategy, updates, timings=timings)
-    clients = list(strategy._round["clients"].values())
+    record = local_round(strategy, updates, timings=timings)
+    clients = list(record["clients"].values())
     plain = codec.expected_nbytes((values,), codec.FORMATS[payload])
     masked = int(np.mean([c["uplink_payload_bytes"] for c in clients]))
     up = float(np.mean([c["secagg_uplink_bytes"] for c in clients]))
     down = float(np.mean([c["secagg_downlink_bytes"] for c in clients]))
-    assert strategy._round["secure"]["uploaded"] == n, strategy._round
+    assert record["secure"]["uploaded"] == n, record
     return {
         "n": n, "values": values, "payload": payload, "bits": settings.bits,
-        "modulus_bits": strategy._round["secure"]["modulus_bits"],
+        "modulus_bits": record["secure"]["modulus_bits"],
         "plain_payload_bytes": plain, "masked_payload_bytes": masked, "masked_over_plain": masked / plain,
         "protocol_uplink_bytes": up, "protocol_downlink_bytes": down,
         "server_seconds": sum(timings.get((s, "server"), 0.0) for s in STAGES),

@@ -243,6 +243,10 @@ class PayloadFedAvg(FedAvg):
         self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
         self._round = {}
 
+    def round_record(self) -> RoundRecord:
+        """The current round's record so far (what ``on_round_end`` gets once the round is evaluated)."""
+        return self._round
+
     def _client(self, node_id: int) -> dict:
         return self._round["clients"].setdefault(str(node_id), {"node_id": int(node_id)})
 
@@ -417,6 +421,11 @@ class PayloadFedAvg(FedAvg):
         self._downlink = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        out = self._aggregate_train(server_round, replies)
+        self.train_ended(server_round)
+        return out
+
+    def _aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._start_round(server_round)
         nodes, payloads, weights, metrics = [], [], [], []
         for msg, reply_metrics in self._screen(replies, "train"):
@@ -434,15 +443,7 @@ class PayloadFedAvg(FedAvg):
             payloads.append(tensors)
             weights.append(num_examples)
             metrics.append(reply_metrics)
-            client = self._client(node_id)
-            record = msg.content.array_records[self.arrayrecord_key]
-            client["uplink_payload_bytes"] = codec.payload_bytes(record)
-            client["uplink_message_bytes"] = codec.message_bytes(msg.content)
-            try:  # a measurement: whatever a reply holds, it must not stop the round
-                client["uplink_wire_bytes"] = codec.wire_bytes(msg)
-            except Exception:  # noqa: BLE001
-                pass
-            client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
+            self._account_upload(node_id, msg, reply_metrics)
         if not payloads:
             log(WARNING, "round %s: no acceptable training reply; the global state is unchanged", server_round)
             return None, None
@@ -455,6 +456,21 @@ class PayloadFedAvg(FedAvg):
             else:
                 update = self.aggregate_payloads(payloads, weights)
         return self._apply(server_round, update, metrics, weights)
+
+    def _account_upload(self, node_id: int, msg: Message, reply_metrics: dict) -> None:
+        """An accepted training reply's bytes (payload, Flower's count, the wire) and metrics, in the round's record."""
+        client = self._client(node_id)
+        client["uplink_payload_bytes"] = codec.payload_bytes(msg.content.array_records[self.arrayrecord_key])
+        client["uplink_message_bytes"] = codec.message_bytes(msg.content)
+        try:  # a measurement: whatever a reply holds, it must not stop the round
+            client["uplink_wire_bytes"] = codec.wire_bytes(msg)
+        except Exception:  # noqa: BLE001
+            pass
+        client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
+
+    def train_ended(self, server_round: int) -> None:
+        """Called once a round's training replies were aggregated (plain or secure), whether or not the
+        global state changed: a subclass records what it derives from the state (FedNL: α per layer)."""
 
     def _privatize(self, server_round: int, total: dict[str, np.ndarray], accepted: int) -> dict[str, np.ndarray]:
         """The new state from the sum of the round's clipped updates: central DP adds N(0, (z·clip)²) to
@@ -548,10 +564,7 @@ class PayloadFedAvg(FedAvg):
                 continue
             self._secure.upload(node_id, residues)
             self._secure_metrics.append(reply_metrics)
-            client = self._client(node_id)
-            client["uplink_payload_bytes"] = codec.payload_bytes(record)
-            client["uplink_message_bytes"] = codec.message_bytes(msg.content)
-            client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
+            self._account_upload(node_id, msg, reply_metrics)
         try:
             out = self._secure.unmask_messages()
         except SecAggError as err:
@@ -560,6 +573,11 @@ class PayloadFedAvg(FedAvg):
 
     def secure_finish(self, server_round: int, replies: Iterable[Message]):
         """The unmask replies -> the mean of the uploaders' values (uniform weights), committed."""
+        out = self._secure_finish(server_round, replies)
+        self.train_ended(server_round)
+        return out
+
+    def _secure_finish(self, server_round: int, replies: Iterable[Message]):
         secure, self._secure = self._secure, None
         if secure is None:
             return None, None

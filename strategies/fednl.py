@@ -77,12 +77,5 @@ class FedNL(PayloadFedAvg):
     def value_bounds(self, key: str) -> float | None:
         return MEMORY_BOUND if theta_kind(key) == "memory" else None
 
-    def aggregate_train(self, server_round: int, replies):
-        arrays, metrics = super().aggregate_train(server_round, replies)
+    def train_ended(self, server_round: int) -> None:
         self._round["gate_alpha"] = gate_alpha(self.global_state)
-        return arrays, metrics
-
-    def secure_finish(self, server_round: int, replies):
-        arrays, metrics = super().secure_finish(server_round, replies)
-        self._round["gate_alpha"] = gate_alpha(self.global_state)
-        return arrays, metrics

@@ -381,14 +381,15 @@ def client_unmask(me: int, msg: Message, state: RecordDict, settings: SecureSett
 # ---------------------------------------------------------------------- both ends in one process
 def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, server_round: int = 1,
                 skip_upload: Iterable[int] = (), skip_unmask: Iterable[int] = (), records: Mapping | None = None,
-                tamper=None, timings: dict | None = None) -> None:
+                tamper=None, timings: dict | None = None) -> dict:
     """One secure round of ``strategy`` (a PayloadFedAvg with ``secure`` settings) with in-process
     clients, no Flower runtime: the same messages and checks as a run (tests and benchmarks).
 
     ``updates``: {node: {key: update}}; nodes in ``skip_upload`` vanish after the shares stage,
     those in ``skip_unmask`` after uploading. ``records``: extra records in every training reply;
     ``tamper(replies)`` may change the training replies before the server sees them. ``timings``
-    collects seconds per (stage, 'server' | 'client', summed over clients)."""
+    collects seconds per (stage, 'server' | 'client', summed over clients). Returns the round's record so far
+    (per-client bytes, the secure-aggregation summary, refusals)."""
     import time
 
     from flwr.app import MetricRecord
@@ -432,3 +433,4 @@ def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, se
     msgs = timed("unmask", "server", strategy.secure_upload, server_round, replies)
     replies = answer("unmask", msgs, lambda m: client_unmask(node(m), m, states[node(m)], settings), skip_unmask)
     timed("finish", "server", strategy.secure_finish, server_round, replies)
+    return strategy.round_record()
