@@ -99,7 +99,9 @@ def apply(cfg) -> None:
         fmt = str(block.get("format", "int4"))
         if fmt not in ("fp32", "int4"):
             raise ChannelError(f"channel.format must be fp32 or int4, got {fmt!r}")
-        algorithm.payload, algorithm.uplink = fmt, "delta"
+        algorithm.payload = fmt
+        if "uplink" in algorithm:  # (SmartFed's expert updates have no uplink setting: they are deltas)
+            algorithm.uplink = "delta"
         return
     algorithm.payload = name
     if name == "fp32" or "uplink" not in algorithm:  # (SmartFed's expert updates have no uplink setting)
@@ -145,19 +147,30 @@ def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], 
     return out
 
 
-def server_channel(cfg, initial_state: dict[str, np.ndarray]) -> LatentChannel | None:
-    """The strategy's view of the latent channel over ``initial_state``'s tensors (None when off)."""
+def channel_factory(cfg):
+    """``shapes -> LatentChannel`` for this run's latent channel (None when off): a strategy whose
+    federated tensors change from round to round (SmartFed's active experts) builds one per round."""
     settings = settings_of(cfg)
     if settings is None:
         return None
-    shapes = {k: tuple(np.shape(v)) for k, v in initial_state.items()}
-    latents = allocate(shapes, settings)
 
-    def factors(server_round: int):
-        return {k: tuple(t.numpy() for t in f) for k, f in round_factors(settings, shapes, latents,
-                                                                          server_round).items()}
+    def build(shapes: dict[str, tuple[int, ...]]) -> LatentChannel:
+        shapes = {k: tuple(int(s) for s in v) for k, v in shapes.items()}
+        latents = allocate(shapes, settings)
 
-    return LatentChannel(shapes, latents, factors)
+        def factors(server_round: int):
+            return {k: tuple(t.numpy() for t in f) for k, f in round_factors(settings, shapes, latents,
+                                                                              server_round).items()}
+
+        return LatentChannel(shapes, latents, factors)
+
+    return build
+
+
+def server_channel(cfg, initial_state: dict[str, np.ndarray]) -> LatentChannel | None:
+    """The strategy's view of the latent channel over ``initial_state``'s tensors (None when off)."""
+    build = channel_factory(cfg)
+    return None if build is None else build({k: tuple(np.shape(v)) for k, v in initial_state.items()})
 
 
 # ---------------------------------------------------------------------------- the client

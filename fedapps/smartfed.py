@@ -46,6 +46,7 @@ from clients.smartfed.more import (
 from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_descriptor, backbone_fingerprint, default_pool_dir
 from clients.train import evaluate as evaluate_model
 from clients.train import local_train
+from fedapps.channel import channel_factory, latent_training
 from fedapps.method import (ClientCall, Method, ServerPlan, Update, final_file, learning_rates,
                             strategy_settings)
 from fedapps.session import ClientSetupError
@@ -103,8 +104,17 @@ def train(call: ClientCall) -> Update:
     ids = _receive(call)
     model = call.session.model
     before = active_state(model)
-    metrics = local_train(model, call.session.task, call.cfg.train, seed=call.seed,
-                          lr_by_name=learning_rates(call.cfg, LR_PATTERNS))
+    trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)  # the MoRE layers' experts, routers
+    with latent_training(call, model, trained) as latent:  # None unless channel=latent
+        metrics = local_train(model, call.session.task, call.cfg.train, seed=call.seed,
+                              lr_by_name=learning_rates(call.cfg, LR_PATTERNS))
+    if latent is not None:  # the latents, and the importance of every active expert (fp32) beside them
+        record = latent.record(call.cfg, call.context, call.seed)
+        for key, array in sparse.encode(to_layout_ids(importance_state(model), ids), "fp32").items():
+            record[key] = array
+        metrics.update({"active-experts": int(sum(len(v) for v in ids.values())),
+                        "trainable-values": int(sum(p.numel() for p in model.parameters() if p.requires_grad))})
+        return Update(metrics, record)
     update = sparse.delta(active_state(model), before) | importance_state(model)
     update = to_layout_ids(update, ids)
     metrics.update(
@@ -226,6 +236,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         backbone_fingerprint=fingerprint,
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         uplink_format=str(a.payload),
+        latent=channel_factory(cfg),
     )
     log(logging.INFO, "SmartFed: pool %s, adapters %s: %d experts on %d matrices (%s); budget %d active experts",
         pool.path, names, layout.total_experts, len(layout.matrices), layout.mode, budget)

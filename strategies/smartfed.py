@@ -38,7 +38,7 @@ Byte accounting, refusal logging, round records and evaluation are
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -47,6 +47,8 @@ from flwr.serverapp import Grid
 
 from strategies import codec, robust, sparse
 from strategies.base import PayloadFedAvg
+from strategies.channel import LATENT_KEY, LatentChannel
+from strategies.codec import PayloadError
 from strategies.eeqa import EEQA, Allocation, select_active
 from strategies.expert_state import ExpertState, aggregate
 
@@ -96,7 +98,8 @@ class SmartFedStrategy(PayloadFedAvg):
         **kwargs: :class:`PayloadFedAvg`'s (``config_yaml``, ``num_clients``, formats, ...).
     """
 
-    def __init__(self, *, state: ExpertState, eeqa: EEQA, backbone_fingerprint: str, **kwargs) -> None:
+    def __init__(self, *, state: ExpertState, eeqa: EEQA, backbone_fingerprint: str,
+                 latent: Callable[[dict[str, tuple[int, ...]]], LatentChannel] | None = None, **kwargs) -> None:
         layout = state.layout
         if sorted(eeqa.num_experts.items()) != sorted(layout.num_experts.items()):
             raise ValueError("EEQA was built for other matrices or expert counts than the expert layout")
@@ -120,6 +123,10 @@ class SmartFedStrategy(PayloadFedAvg):
         self._round_allocation: Allocation | None = None
         self._importance: dict[str, np.ndarray] | None = None
         self._pending = None
+        if latent is not None and self.uplink_format not in codec.FORMATS:
+            raise ValueError("the latent channel sends fp32 or int4 latents")
+        self.latent = latent  # the latent channel: shapes -> LatentChannel over the round's active experts
+        self._latent: tuple[object, LatentChannel] | None = None
 
     # ------------------------------------------------------------------ allocation
     def _first_allocation(self) -> Allocation:
@@ -176,18 +183,72 @@ class SmartFedStrategy(PayloadFedAvg):
     def validate_reply(self, msg: Message) -> tuple[dict[str, sparse.MatrixPayload], int]:
         """Decode one training reply into validated sparse parts; PayloadError says why not."""
         record, num_examples = self.reply_record(msg)
-        self.check_wire(record)
         allocation = self._round_allocation or self.allocation
-        parts = sparse.decode(
-            record,
-            self.expert_layout,
-            kind="update",
-            active=allocation.active,
-            budget=allocation.total,
-        )
+        if self.latent is not None:
+            parts = self._from_latents(record, allocation)
+        else:
+            self.check_wire(record)
+            parts = sparse.decode(
+                record,
+                self.expert_layout,
+                kind="update",
+                active=allocation.active,
+                budget=allocation.total,
+            )
         client = self._client(msg.metadata.src_node_id)
         client["uplink_experts"] = int(sum(p.ids.size for p in parts.values()))
         return parts, num_examples
+
+    # ------------------------------------------------------------------ the latent channel
+    def latent_shapes(self, allocation: Allocation) -> dict[str, tuple[int, ...]]:
+        """The tensors a client trains this round, named as on its model: each active matrix's MoRE
+        layer's ``router`` (k×d_in) and, unless router-only, ``expert_A`` (k×d_in), ``expert_B`` (d_out×k)."""
+        shapes = {}
+        for m, ids in allocation.active.items():
+            k = len(ids)
+            if not k:
+                continue
+            ml = self.expert_layout[m]
+            shapes[f"{m}.router"] = (k, ml.d_in)
+            if self.expert_layout.train_experts:
+                shapes[f"{m}.expert_A"] = (k, ml.d_in)
+                shapes[f"{m}.expert_B"] = (ml.d_out, k)
+        return shapes
+
+    def _from_latents(self, record: ArrayRecord, allocation: Allocation) -> dict[str, sparse.MatrixPayload]:
+        """A latent-channel reply (``latent`` + importance reports) -> the deltas of every active expert."""
+        if self._latent is None or self._latent[0] is not allocation:
+            self._latent = (allocation, self.latent(self.latent_shapes(allocation)))
+        channel = self._latent[1]
+        if LATENT_KEY not in record:
+            raise PayloadError(f"a latent-channel reply carries '{LATENT_KEY}'")
+        array = record[LATENT_KEY]
+        shape = codec.check_declared(LATENT_KEY, array, {codec.FORMATS[self.uplink_format]})
+        if shape != (channel.size,) or len(array.data) != codec.expected_nbytes(shape, array.stype):
+            raise PayloadError(f"'{LATENT_KEY}' has shape {shape} ({len(array.data)} bytes); this round sends "
+                               f"{channel.size} latents")
+        reports = ArrayRecord()
+        for key, value in record.items():
+            if key == LATENT_KEY:
+                continue
+            if sparse.split_key(key)[1] != "importance":
+                raise PayloadError(f"'{key}': a latent-channel reply carries the latents and importance reports only")
+            codec.check_declared(key, value, {codec.FP32})
+            reports[key] = value
+        parts = sparse.decode(reports, self.expert_layout, kind="update", active=allocation.active,
+                              budget=allocation.total)
+        deltas = channel.expand(self._round.get("round", 0), codec.decode(ArrayRecord({LATENT_KEY: array})))
+        for m, ids in allocation.active.items():
+            if not len(ids):
+                continue
+            part = parts.get(m) or sparse.MatrixPayload(ids=np.zeros(0, np.int64))
+            part.ids = np.asarray(sorted(int(i) for i in ids), np.int64)  # the downlink's order
+            part.router = deltas[f"{m}.router"].astype(np.float32)
+            if self.expert_layout.train_experts:
+                part.A = deltas[f"{m}.expert_A"].astype(np.float32)
+                part.B = deltas[f"{m}.expert_B"].T.astype(np.float32)
+            parts[m] = part
+        return parts
 
     def check_wire(self, record: ArrayRecord) -> None:
         """Declared shapes, dtypes and wire formats before decoding: ids and importance in fp32,

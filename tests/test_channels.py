@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from omegaconf import OmegaConf
 
 from fedapps import client_app, registry
@@ -233,3 +233,33 @@ def test_fednl_learns_through_a_648_byte_latent_channel():
     # the meta-rules moved, the gate among them: θ is trained through the latents only
     assert not np.array_equal(gates, strategy.global_state[next(k for k in strategy.global_state
                                                                  if k.endswith("fednl_gate"))])
+
+
+def test_smartfed_experts_travel_as_latents_and_every_active_expert_moves_by_the_mean(tmp_path):
+    from clients.models.llm import load_causal_lm
+    from postcard import pool as pool_cli
+    from tests.test_smartfed_app import _fake_lora_run
+
+    lora = compose(["algorithm.lora.target_modules=[q_proj,v_proj]"], preset="test")
+    model, _ = load_causal_lm(lora.model, seed=int(lora.seed))
+    _fake_lora_run(tmp_path / "run", lora, model)  # a pool of one adapter: 2 layers x (q, v) x 8 experts
+    assert pool_cli.main(["add", str(tmp_path / "run"), "--pool", str(tmp_path / "pool")]) == 0
+    cfg = compose([f"algorithm.pool={tmp_path / 'pool'}", "channel.latents=256", "train.local_steps=2"],
+                  preset="test", algorithm="smartfed", channel="latent")
+    strategy = registry.get("smartfed").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    active = {m: sorted(int(i) for i in ids) for m, ids in strategy.allocation.active.items() if len(ids)}
+    before = {m: (strategy.state.router[m][ids].copy(), strategy.state.A[m][ids].copy()) for m, ids in active.items()}
+    replies = train_round(cfg, strategy, 1, {1: context(1), 2: context(2)})
+    assert all(codec.payload_bytes(ArrayRecord({LATENT_KEY: r.content["arrays"][LATENT_KEY]})) == 136 for r in replies)
+    assert all(set(r.content["arrays"]) - {LATENT_KEY} <= {f"{m}/importance" for m in active} for r in replies)
+    strategy._start_round(1)
+    parts, weights = zip(*[strategy.validate_reply(r) for r in replies])
+    strategy.aggregate_train(1, replies)
+    assert strategy._round["accepted"] == 2 and not strategy._round["refused"]
+    for m, ids in active.items():  # every active expert moved, by the weighted mean of the expanded latents
+        for part in parts:
+            assert part[m].ids.tolist() == ids
+        for field, old in zip(("router", "A"), before[m]):
+            mean = sum(w * getattr(p[m], field) for p, w in zip(parts, weights)) / sum(weights)
+            np.testing.assert_allclose(getattr(strategy.state, field)[m][ids] - old, mean, atol=1e-6)
+            assert np.all(np.abs(mean).sum(axis=1) > 0)
