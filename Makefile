@@ -21,6 +21,7 @@ DEMO_ARGS ?=
 DEPLOY_NODES ?= 3
 DEPLOY_CONFIG ?= preset='test' overrides='num_clients=$(DEPLOY_NODES) rounds=2 train.local_steps=4'
 
+.PHONY: gpu-wheels gpu-check gpu-check-cpu
 .PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast test-deploy-all bench clean stop-superlink deploy-local
 
 help:
@@ -29,6 +30,9 @@ help:
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run every benchmark script (bench/, ~4 h on 2 cores), then write docs/benchmarks.md"
 	@echo "make deploy-local - a real SuperLink (TLS, node auth) + $(DEPLOY_NODES) SuperNodes on 127.0.0.1, one 'flwr run', all stopped"
+	@echo "make gpu-wheels - what a GPU machine lacks for bench/gpu_check.py, into .whl/ (<= 56 MiB; docs/gpu.md)"
+	@echo "make gpu-check  - ON THE GPU MACHINE: install .whl/ into /tmp/postcard-site, run bench/gpu_check.py (OUT=folder)"
+	@echo "make gpu-check-cpu - the same check on this CPU with the tiny model (what CI runs)"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -106,3 +110,17 @@ bench: assets
 
 clean:
 	rm -rf outputs multirun .flwr .pytest_cache
+
+# The GPU check (docs/gpu.md). Here: fetch what the GPU image lacks; there: install it privately and run.
+gpu-wheels: assets
+	$(PY) bench/gpu_wheels.py
+
+GPU_SITE ?= /tmp/postcard-site
+OUT ?= outputs/gpu-check
+gpu-check:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	PATH=$(GPU_SITE)/bin:$$PATH PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 \
+		python3 bench/gpu_check.py --model-path .whl/smollm2-tokenizer --out $(OUT)
+
+gpu-check-cpu: assets
+	$(PY) bench/gpu_check.py --device cpu --tiny --out $(OUT)
