@@ -9,7 +9,7 @@ flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py 
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py), ``docs/bench/fuzz_table.md`` and
 ``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
-(bench/privacy.py). Each report carries the
+(bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py). Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
 and says which report is missing.
 """
@@ -47,8 +47,9 @@ REPORTS = (
     ("Hostile replies: every kind through every strategy", DOCS / "bench" / "fuzz_table.md", "bench/fuzz_table.py",
      None),
     ("Secure aggregation: bytes and time", DOCS / "bench" / "secagg" / "secagg.md", "bench/secagg.py", None),
-    ("Utility vs ε under central DP: FLITE latents vs full weights", DOCS / "bench" / "privacy" / "privacy.md",
+    ("Utility vs ε under central DP: latent updates vs full weights", DOCS / "bench" / "privacy" / "privacy.md",
      "bench/privacy.py", None),
+    ("Method × channel: bytes and the metric", DOCS / "bench" / "channels" / "channels.md", "bench/channels.py", None),
 )
 
 
