@@ -220,6 +220,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_partition(cfg.partition)
     _check_model_path(cfg.model)
     _check_robust(cfg)
+    _check_router_rounds(cfg.algorithm)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -291,6 +292,19 @@ def _check_robust(cfg: DictConfig) -> None:
     if cfg.algorithm.name == "smartfed" and settings.aggregator != "mean":
         raise ConfigError(f"algorithm 'smartfed' combines sparse expert updates by the weighted mean only; "
                           f"robust '{settings.aggregator}' does not apply (use robust=default or robust=off)")
+
+
+def _check_router_rounds(algorithm) -> None:
+    """SmartFed's ``router_rounds``: null, or the rounds (>= 1) its routers train before they are frozen."""
+    if "router_rounds" not in algorithm or algorithm.router_rounds is None:
+        return
+    value = algorithm.router_rounds
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"algorithm.router_rounds must be null (train the routers every round) or an integer "
+                          f">= 1, got {value!r}")
+    if str(algorithm.get("mode")) == "router-only":
+        raise ConfigError("algorithm.router_rounds freezes the routers, but mode=router-only trains nothing else; "
+                          "use mode=experts+router")
 
 
 # why secure aggregation and differential privacy cannot carry a method's updates (both work on

@@ -41,6 +41,7 @@ from clients.smartfed.more import (
     active_state,
     importance_state,
     load_mixture,
+    more_modules,
     to_layout_ids,
 )
 from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_descriptor, backbone_fingerprint, default_pool_dir
@@ -100,10 +101,20 @@ LR_PATTERNS = {"experts": "expert_", "router": "router"}  # algorithm.lr key -> 
 
 
 # ---------------------------------------------------------------------------- client
+def _trained_state(model, routers_frozen: bool) -> dict[str, np.ndarray]:
+    """The active experts' trained tensors, packed (without the router rows once those are frozen)."""
+    state = active_state(model)
+    return {k: v for k, v in state.items() if not (routers_frozen and k.endswith("/router"))}
+
+
 def train(call: ClientCall) -> Update:
     ids = _receive(call)
     model = call.session.model
-    before = active_state(model)
+    frozen = bool(call.config.get("router-frozen", False))  # algorithm.router_rounds have passed
+    if frozen:  # the routers keep what the server sent (each message builds the MoRE layers anew)
+        for layer in more_modules(model).values():
+            layer.router.requires_grad_(False)
+    before = _trained_state(model, frozen)
     trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)  # the MoRE layers' experts, routers
     with latent_training(call, model, trained) as latent:  # None unless channel=latent
         metrics = local_train(model, call.session.task, call.cfg.train, seed=call.seed,
@@ -115,7 +126,7 @@ def train(call: ClientCall) -> Update:
         metrics.update({"active-experts": int(sum(len(v) for v in ids.values())),
                         "trainable-values": int(sum(p.numel() for p in model.parameters() if p.requires_grad))})
         return Update(metrics, record)
-    update = sparse.delta(active_state(model), before) | importance_state(model)
+    update = sparse.delta(_trained_state(model, frozen), before) | importance_state(model)
     update = to_layout_ids(update, ids)
     metrics.update(
         {
@@ -237,6 +248,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         uplink_format=str(a.payload),
         latent=channel_factory(cfg),
+        router_rounds=a.get("router_rounds"),
     )
     log(logging.INFO, "SmartFed: pool %s, adapters %s: %d experts on %d matrices (%s); budget %d active experts",
         pool.path, names, layout.total_experts, len(layout.matrices), layout.mode, budget)

@@ -99,7 +99,8 @@ class SmartFedStrategy(PayloadFedAvg):
     """
 
     def __init__(self, *, state: ExpertState, eeqa: EEQA, backbone_fingerprint: str,
-                 latent: Callable[[dict[str, tuple[int, ...]]], LatentChannel] | None = None, **kwargs) -> None:
+                 latent: Callable[[dict[str, tuple[int, ...]]], LatentChannel] | None = None,
+                 router_rounds: int | None = None, **kwargs) -> None:
         layout = state.layout
         if sorted(eeqa.num_experts.items()) != sorted(layout.num_experts.items()):
             raise ValueError("EEQA was built for other matrices or expert counts than the expert layout")
@@ -126,6 +127,11 @@ class SmartFedStrategy(PayloadFedAvg):
         if latent is not None and self.uplink_format not in codec.FORMATS:
             raise ValueError("the latent channel sends fp32 or int4 latents")
         self.latent = latent  # the latent channel: shapes -> LatentChannel over the round's active experts
+        if router_rounds is not None and (isinstance(router_rounds, bool) or int(router_rounds) < 1):
+            raise ValueError(f"router_rounds must be null or an integer >= 1, got {router_rounds!r}")
+        if router_rounds is not None and not layout.train_experts:
+            raise ValueError("router-only SmartFed trains only the routers: freezing them leaves nothing to train")
+        self.router_rounds = None if router_rounds is None else int(router_rounds)
         self._latent: tuple[object, LatentChannel] | None = None
 
     # ------------------------------------------------------------------ allocation
@@ -170,6 +176,15 @@ class SmartFedStrategy(PayloadFedAvg):
         config[BACKBONE_KEY] = self.backbone_fingerprint
         config[LAYOUT_KEY] = self.layout_fingerprint
 
+    def routers_frozen(self, server_round: int) -> bool:
+        """Whether round ``server_round`` trains the routers (``router_rounds``: the first N rounds only)."""
+        return self.router_rounds is not None and server_round > self.router_rounds
+
+    def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
+        config = super().train_config_for(server_round, node_id, config)
+        config["router-frozen"] = self.routers_frozen(server_round)
+        return config
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self._round_allocation = self.allocation  # replies are checked against what was sent
         self._tag(config)
@@ -184,8 +199,9 @@ class SmartFedStrategy(PayloadFedAvg):
         """Decode one training reply into validated sparse parts; PayloadError says why not."""
         record, num_examples = self.reply_record(msg)
         allocation = self._round_allocation or self.allocation
+        router = not self.routers_frozen(self._round.get("round", 0))
         if self.latent is not None:
-            parts = self._from_latents(record, allocation)
+            parts = self._from_latents(record, allocation, router)
         else:
             self.check_wire(record)
             parts = sparse.decode(
@@ -194,31 +210,34 @@ class SmartFedStrategy(PayloadFedAvg):
                 kind="update",
                 active=allocation.active,
                 budget=allocation.total,
+                router=router,
             )
         client = self._client(msg.metadata.src_node_id)
         client["uplink_experts"] = int(sum(p.ids.size for p in parts.values()))
         return parts, num_examples
 
     # ------------------------------------------------------------------ the latent channel
-    def latent_shapes(self, allocation: Allocation) -> dict[str, tuple[int, ...]]:
+    def latent_shapes(self, allocation: Allocation, router: bool = True) -> dict[str, tuple[int, ...]]:
         """The tensors a client trains this round, named as on its model: each active matrix's MoRE
-        layer's ``router`` (k×d_in) and, unless router-only, ``expert_A`` (k×d_in), ``expert_B`` (d_out×k)."""
+        layer's ``router`` (k×d_in; unless frozen) and, unless router-only, ``expert_A`` (k×d_in),
+        ``expert_B`` (d_out×k)."""
         shapes = {}
         for m, ids in allocation.active.items():
             k = len(ids)
             if not k:
                 continue
             ml = self.expert_layout[m]
-            shapes[f"{m}.router"] = (k, ml.d_in)
+            if router:
+                shapes[f"{m}.router"] = (k, ml.d_in)
             if self.expert_layout.train_experts:
                 shapes[f"{m}.expert_A"] = (k, ml.d_in)
                 shapes[f"{m}.expert_B"] = (ml.d_out, k)
         return shapes
 
-    def _from_latents(self, record: ArrayRecord, allocation: Allocation) -> dict[str, sparse.MatrixPayload]:
+    def _from_latents(self, record: ArrayRecord, allocation: Allocation, router: bool) -> dict[str, sparse.MatrixPayload]:
         """A latent-channel reply (``latent`` + importance reports) -> the deltas of every active expert."""
-        if self._latent is None or self._latent[0] is not allocation:
-            self._latent = (allocation, self.latent(self.latent_shapes(allocation)))
+        if self._latent is None or self._latent[0] is not (allocation, router):
+            self._latent = ((allocation, router), self.latent(self.latent_shapes(allocation, router)))
         channel = self._latent[1]
         if LATENT_KEY not in record:
             raise PayloadError(f"a latent-channel reply carries '{LATENT_KEY}'")
@@ -243,7 +262,8 @@ class SmartFedStrategy(PayloadFedAvg):
                 continue
             part = parts.get(m) or sparse.MatrixPayload(ids=np.zeros(0, np.int64))
             part.ids = np.asarray(sorted(int(i) for i in ids), np.int64)  # the downlink's order
-            part.router = deltas[f"{m}.router"].astype(np.float32)
+            if router:
+                part.router = deltas[f"{m}.router"].astype(np.float32)
             if self.expert_layout.train_experts:
                 part.A = deltas[f"{m}.expert_A"].astype(np.float32)
                 part.B = deltas[f"{m}.expert_B"].T.astype(np.float32)

@@ -291,6 +291,7 @@ def validate(
     kind: str = "update",
     active: Mapping[str, Iterable[int]] | None = None,
     budget: int | None = None,
+    router: bool = True,
 ) -> dict[str, MatrixPayload]:
     """Check a packed payload against the layout; return it as {matrix: MatrixPayload}.
 
@@ -305,6 +306,8 @@ def validate(
             quota 0; more experts than the quota is a budget overrun, and ids outside the
             set are refused (for the updated experts and for the importance report).
         budget: the most experts the client may update in total.
+        router: whether an update carries router rows (False once the routers are frozen:
+            then it must not).
 
     Raises :class:`PayloadError` naming the matrix and the reason.
     """
@@ -322,8 +325,10 @@ def validate(
         if kind == "state" and "importance" in fields:
             raise PayloadError(f"matrix '{matrix}': a state payload carries no importance")
         has_experts = any(n in fields for n in ("ids", *VALUE_FIELDS))
+        if kind == "update" and not router and "router" in fields:
+            raise PayloadError(f"matrix '{matrix}' carries router rows, but the routers are frozen this round")
         if has_experts or kind == "state":
-            required = ["ids", "router"]
+            required = ["ids", "router"] if kind == "state" or router else ["ids"]
             if layout.train_experts:
                 required += list(EXPERT_FIELDS)
             elif kind == "state":  # frozen experts: sent to clients without the pool, or not
@@ -377,9 +382,10 @@ def decode(
     kind: str = "update",
     active: Mapping[str, Iterable[int]] | None = None,
     budget: int | None = None,
+    router: bool = True,
 ) -> dict[str, MatrixPayload]:
     """ArrayRecord -> validated {matrix: MatrixPayload} (see :func:`validate`)."""
-    return validate(codec.decode(record), layout, kind=kind, active=active, budget=budget)
+    return validate(codec.decode(record), layout, kind=kind, active=active, budget=budget, router=router)
 
 
 def delta(

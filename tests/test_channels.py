@@ -7,14 +7,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from inprocess import context, fake_pool, message, train_round
 from omegaconf import OmegaConf
 
 from fedapps import client_app, registry
 from fedapps.channel import CHANNELS, ChannelError, latent_training, round_factors, server_channel, settings_of
 from fedapps.config import ConfigError, choices, compose, to_yaml
 from strategies import codec
-from strategies.base import CONFIG_RECORD, PayloadFedAvg
+from strategies.base import PayloadFedAvg
 from strategies.channel import LATENT_KEY
 from strategies.privacy import Privacy
 from strategies.robust import Robustness
@@ -168,22 +169,6 @@ def test_secure_aggregation_sums_latents_and_the_server_expands_the_mean():
 
 
 # --------------------------------------------------------------------------- methods through channels, in process
-def context(node):
-    return Context(run_id=1, node_id=node, node_config={"partition-id": node - 1, "num-partitions": 2},
-                   state=RecordDict(), run_config={})
-
-
-def message(cfg, arrays, phase, server_round, node):
-    return Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": server_round}),
-                               CONFIG_RECORD: ConfigRecord({"yaml": to_yaml(cfg)})}), dst_node_id=node,
-                   message_type=phase)
-
-
-def train_round(cfg, strategy, server_round, nodes):
-    return [client_app.app(message(cfg, strategy.downlink_arrays(), "train", server_round, v), c)
-            for v, c in nodes.items()]
-
-
 @pytest.mark.parametrize("channel", ["fp32", "int4", "topk", "powersgd", "latent"])
 def test_fedavg_lora_through_each_channel_averages_what_the_clients_sent(channel):
     cfg = compose(["train.local_steps=2", "channel.rank=128"] if channel == "latent" else ["train.local_steps=2"],
@@ -237,14 +222,10 @@ def test_fednl_learns_through_a_648_byte_latent_channel():
 
 def test_smartfed_experts_travel_as_latents_and_every_active_expert_moves_by_the_mean(tmp_path):
     from clients.models.llm import load_causal_lm
-    from postcard import pool as pool_cli
-    from tests.test_smartfed_app import _fake_lora_run
 
-    lora = compose(["algorithm.lora.target_modules=[q_proj,v_proj]"], preset="test")
-    model, _ = load_causal_lm(lora.model, seed=int(lora.seed))
-    _fake_lora_run(tmp_path / "run", lora, model)  # a pool of one adapter: 2 layers x (q, v) x 8 experts
-    assert pool_cli.main(["add", str(tmp_path / "run"), "--pool", str(tmp_path / "pool")]) == 0
-    cfg = compose([f"algorithm.pool={tmp_path / 'pool'}", "channel.latents=256", "train.local_steps=2"],
+    model, _ = load_causal_lm(compose(preset="test").model, seed=42)
+    pool = fake_pool(tmp_path, model)  # one adapter: 2 layers x (q, v) x 8 experts
+    cfg = compose([f"algorithm.pool={pool}", "channel.latents=256", "train.local_steps=2"],
                   preset="test", algorithm="smartfed", channel="latent")
     strategy = registry.get("smartfed").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
     active = {m: sorted(int(i) for i in ids) for m, ids in strategy.allocation.active.items() if len(ids)}

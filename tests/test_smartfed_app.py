@@ -403,3 +403,39 @@ def test_experts_and_routers_get_learning_rates_of_their_own(tiny):
     assert learning_rates(cfg, LR_PATTERNS) == {"router": 0.03}
     cfg = compose(["algorithm.lr.experts=0.001", "algorithm.lr.router=0.03"], algorithm="smartfed", preset="test")
     assert learning_rates(cfg, LR_PATTERNS) == {"expert_": 0.001, "router": 0.03}
+
+
+def test_router_rounds_freezes_the_routers_from_the_next_round(tiny, tmp_path):
+    from fedapps.config import ConfigError
+    from fedapps.smartfed import plan_server
+    from inprocess import context, fake_pool, train_round
+    from strategies.codec import PayloadError
+
+    _, model, _ = tiny
+    with pytest.raises(ConfigError, match="router-only trains nothing else"):
+        compose(["algorithm.router_rounds=1", "algorithm.mode=router-only"], algorithm="smartfed", preset="test")
+    with pytest.raises(ConfigError, match="router_rounds must be null"):
+        compose(["algorithm.router_rounds=0"], algorithm="smartfed", preset="test")
+    cfg = compose([f"algorithm.pool={fake_pool(tmp_path, model)}", "algorithm.router_rounds=1", "train.local_steps=2",
+                   "algorithm.budget_per_matrix=2", "algorithm.min_per_matrix=2", "algorithm.max_per_matrix=2"],
+                  algorithm="smartfed", preset="test")
+    strategy = plan_server(cfg, on_round_end=None, config_yaml="").strategy
+    nodes = {1: context(1), 2: context(2)}
+    for server_round in (1, 2):  # the seed's schedule: routers trained in round 1, frozen from round 2
+        router = {m: strategy.state.router[m].copy() for m in strategy.expert_layout}
+        A = {m: strategy.state.A[m].copy() for m in strategy.expert_layout}
+        replies = train_round(cfg, strategy, server_round, nodes)
+        fields = {k.rsplit("/", 1)[1] for r in replies for k in r.content["arrays"]}
+        assert ("router" in fields) == (server_round == 1) and {"A", "B", "ids"} <= fields
+        strategy.aggregate_train(server_round, replies)
+        assert strategy._round["accepted"] == 2, strategy._round["refused"]
+        assert any(not np.array_equal(A[m], strategy.state.A[m]) for m in A)
+        assert any(not np.array_equal(router[m], strategy.state.router[m]) for m in router) == (server_round == 1)
+    # once frozen, a reply that still carries router rows is refused
+    reply = train_round(cfg, strategy, 2, {1: context(1)})[0]
+    values = codec.decode(reply.content["arrays"])
+    matrix = next(k.rsplit("/", 1)[0] for k in values if k.endswith("/A"))
+    values[f"{matrix}/router"] = np.zeros((values[f"{matrix}/ids"].size, 64), np.float32)
+    reply.content["arrays"] = sparse.encode(values)
+    with pytest.raises(PayloadError, match="routers are frozen"):
+        strategy.validate_reply(reply)

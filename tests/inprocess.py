@@ -1,0 +1,52 @@
+"""A method's ClientApp and strategy driven in this process, round by round (no Flower runtime):
+the real client code (``fedapps.client_app``) answers the strategy's real messages."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from fedapps import client_app
+from fedapps.config import to_yaml
+from strategies.base import CONFIG_RECORD
+
+
+def context(node: int, clients: int = 2) -> Context:
+    """Node ``node`` (1-based) holding partition ``node - 1`` of ``clients``."""
+    return Context(run_id=1, node_id=node, node_config={"partition-id": node - 1, "num-partitions": clients},
+                   state=RecordDict(), run_config={})
+
+
+def message(cfg, arrays, phase: str, server_round: int, node: int, config: dict | None = None) -> Message:
+    return Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": server_round, **(config or {})}),
+                               CONFIG_RECORD: ConfigRecord({"yaml": to_yaml(cfg)})}), dst_node_id=node,
+                   message_type=phase)
+
+
+def train_round(cfg, strategy, server_round: int, nodes: dict) -> list[Message]:
+    """Every node's training reply to the strategy's own per-node train config of this round."""
+    replies = []
+    for node, ctx in nodes.items():
+        config = strategy.train_config_for(server_round, node, ConfigRecord({}))
+        replies.append(client_app.app(message(cfg, strategy.downlink_arrays(), "train", server_round, node,
+                                              dict(config)), ctx))
+    return replies
+
+
+def fake_pool(folder, model) -> str:
+    """A SmartFed pool holding one LoRA adapter on q/v of the tiny Llama (as a LoRA run leaves it)."""
+    from clients.adapters import apply_lora
+    from fedapps.config import compose
+    from postcard import pool as pool_cli
+
+    cfg = compose(["algorithm.lora.target_modules=[q_proj,v_proj]"], preset="test")
+    run = folder / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    (run / "summary.json").write_text(json.dumps({"metric": "perplexity", "initial_metric": 9.0, "final_metric": 8.0}))
+    apply_lora(copy.deepcopy(model), cfg.algorithm.lora, seed=0).save_pretrained(str(run / "adapter"))
+    pool = folder / "pool"
+    assert pool_cli.main(["add", str(run), "--pool", str(pool)]) == 0
+    return str(pool)
