@@ -5,10 +5,13 @@ Secure aggregation's extra stages (``train.secagg_*``) are answered by ``fedapps
 Every method answers through this one preamble (``fedapps.method``): the config the server
 sent, the session of this node (model built by the method's ``prepare``, task of its
 partition), then the method's ``train`` or ``evaluate``; the reply carries the metrics
-with this node's ``partition-id``.
+with this node's ``partition-id`` and ``client-seconds`` (the whole message's work on the
+node, the session included: bench/overhead.py takes Flower's share of a round from it).
 """
 
 from __future__ import annotations
+
+import time
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -30,6 +33,7 @@ def _call(msg: Message, context: Context):
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    start = time.perf_counter()
     method, call = _call(msg, context)
     update = method.train(call)
     update.metrics["partition-id"] = call.session.partition_id
@@ -39,6 +43,7 @@ def train(msg: Message, context: Context) -> Message:
         arrays = privacy.private_update(call, update, dp)
     if secure.settings_of(call.cfg) is not None:
         arrays = secure.masked_update(call, update, arrays)
+    update.metrics["client-seconds"] = time.perf_counter() - start  # this message's whole work on the node
     out = reply(msg, update.metrics, arrays)
     for name, record in update.records.items():
         out.content[name] = record
@@ -62,7 +67,9 @@ def secagg_unmask(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    start = time.perf_counter()
     method, call = _call(msg, context)
     metrics = method.evaluate(call)
     metrics["partition-id"] = call.session.partition_id
+    metrics["client-seconds"] = time.perf_counter() - start
     return reply(msg, metrics)

@@ -1,0 +1,138 @@
+"""Flower's own share of a round: wall time minus the slowest client's work, simulation vs deployment.
+
+    .venv/bin/python bench/overhead.py            # tiny model and SmolLM2, ~15 min on 2 cores
+    .venv/bin/python bench/overhead.py --quick    # the tiny model only: a few minutes
+
+Per configuration, ``--clients`` (5) clients run ``--rounds`` (2) rounds of fedavg-lora on
+Shakespeare (preset ``test`` for the tiny Llama, ``demo`` for SmolLM2), every client of a
+round at once (simulation: ``simulation.client_cpus`` = cores / clients, so Ray starts them
+together; deployment: one SuperNode each):
+
+* **simulation** — ``fedapps.simulation.simulate`` (Flower's simulation runtime, Ray);
+* **deployment** — ``postcard.deploy.run_local``: a SuperLink and a SuperNode per client on
+  127.0.0.1 (TLS, node authentication), where Flower 1.42 starts a fresh ``flwr-clientapp``
+  process for every message.
+
+From each round's record (``metrics.jsonl``): its wall time (the strategy's first message to
+its evaluation's aggregate), and per client ``client-seconds`` (the ClientApp's whole work on
+a message: config, session — in a fresh process that is building the model —, the method,
+the reply) and ``seconds`` (the method's own training loop / evaluation). Reported per
+round after the first (warm Ray actors):
+
+    overhead = wall − (slowest train client-seconds + slowest evaluate client-seconds)
+
+— what Flower (and Ray) spend moving messages, starting processes, and what the server
+spends aggregating — and ``setup = client-seconds − seconds`` (Postcard's per-message work
+outside the method: in deployment mode mostly the model built again in each new process).
+Written to ``OUT/overhead.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+MODELS = {"tiny-llama": "test", "smollm2": "demo"}
+
+
+def rounds_of(run_dir: Path) -> list[dict]:
+    """Per trained round: wall, the slowest client's work per phase, and its setup share."""
+    from fedapps.outputs import read_metrics
+
+    out = []
+    for record in read_metrics(run_dir):
+        if record["round"] < 1:
+            continue
+        clients = record["clients"]
+
+        def slowest(key: str) -> float:
+            values = [c[key] for c in clients if key in c]
+            return float(max(values)) if values else 0.0
+
+        work = slowest("train_client-seconds") + slowest("eval_client-seconds")
+        method = slowest("train_seconds") + slowest("eval_seconds")
+        out.append({"round": record["round"], "wall": float(record["seconds"]), "client_work": work,
+                    "method": method, "setup": work - method, "overhead": float(record["seconds"]) - work,
+                    "clients": len(clients)})
+    return out
+
+
+def simulation(model: str, clients: int, rounds: int, out: Path) -> Path:
+    from fedapps.config import compose
+    from fedapps.simulation import simulate
+
+    cpus = max(0.1, round((os.cpu_count() or 1) / clients, 2))
+    cfg = compose([f"model={model}", f"num_clients={clients}", f"rounds={rounds}", "partition=iid",
+                   f"simulation.client_cpus={cpus}", f"output_dir={out}", f"run_name=sim-{model}"],
+                  algorithm="fedavg-lora", task="shakespeare", preset=MODELS[model])
+    return Path(simulate(cfg)["run_dir"])
+
+
+def deployment(model: str, clients: int, rounds: int, out: Path) -> Path:
+    from postcard.deploy import run_local
+
+    overrides = " ".join([f"model={model}", f"num_clients={clients}", f"rounds={rounds}", "partition=iid",
+                          f"run_name=deploy-{model}"])
+    code = run_local(clients, f"algorithm='fedavg-lora' task='shakespeare' preset='{MODELS[model]}' "
+                              f"overrides='{overrides}'", out)
+    if code:
+        raise SystemExit(f"overhead: the deployment run of {model} failed (exit {code})")
+    return out / f"deploy-{model}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny model only")
+    parser.add_argument("--clients", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-overhead")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "overhead")
+    args = parser.parse_args(argv)
+    command = "python bench/overhead.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    models = ["tiny-llama"] if args.quick else list(MODELS)
+    started = time.time()
+    results = []
+    for model in models:
+        for mode, runner in (("simulation", simulation), ("deployment", deployment)):
+            run_dir = runner(model, args.clients, args.rounds, args.runs.resolve())
+            rows = rounds_of(run_dir)
+            steady = [r for r in rows if r["round"] > 1] or rows
+            results.append({"model": model, "mode": mode, "run_dir": str(run_dir), "rounds": rows,
+                            **{k: float(np.mean([r[k] for r in steady])) for k in
+                               ("wall", "client_work", "method", "setup", "overhead")}})
+            r = results[-1]
+            print(f"[overhead] {model} {mode}: round {r['wall']:.1f} s, slowest client's work {r['client_work']:.1f} s "
+                  f"(setup {r['setup']:.1f} s), overhead {r['overhead']:.1f} s = {100 * r['overhead'] / r['wall']:.0f}%",
+                  flush=True)
+    lines = ["# Flower's share of a round", "",
+             f"Made by `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, "
+             f"{(time.time() - started) / 60:.0f} min). fedavg-lora on Shakespeare, {args.clients} clients at once, "
+             f"{args.rounds} rounds; figures are the mean over rounds 2..{args.rounds} (round 1 also starts Ray's actors). "
+             "`client work`: the slowest client's whole work on its train message plus on its evaluate message "
+             "(ClientApp entry to reply); `setup`: the part of it outside the method (config, session: the model "
+             "built in a new process); `overhead` = round wall time − client work: Flower's (and Ray's) messaging "
+             "and process starts, and the server's aggregation.", "",
+             "| model | mode | round wall s | client work s | of which setup s | overhead s | overhead % of round |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['model']} | {r['mode']} | {r['wall']:.2f} | {r['client_work']:.2f} | {r['setup']:.2f} | "
+                     f"{r['overhead']:.2f} | {100 * r['overhead'] / r['wall']:.0f}% |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.md").write_text("\n".join(lines) + "\n")
+    (args.out / "overhead.json").write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
