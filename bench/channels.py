@@ -92,7 +92,8 @@ def table(rows_by_key: dict, title: str, metric: str) -> list[str]:
     own = {a: rows[0]["uplink"] for (a, c), rows in rows_by_key.items() if c == "method"}
     for (algorithm, channel), rows in rows_by_key.items():
         up = rows[0]["uplink"]
-        lines.append(f"| {algorithm} | {channel} | {rows[0]['payload']} | {up:,.0f} | {up / own[algorithm]:.3g} | "
+        ratio = f"{up / own[algorithm]:.3g}" if algorithm in own else "—"
+        lines.append(f"| {algorithm} | {channel} | {rows[0]['payload']} | {up:,.0f} | {ratio} | "
                      f"{rows[0]['initial']:.4g} | {interval([r['final'] for r in rows])} | {len(rows)} |")
     return lines + [""]
 
@@ -127,6 +128,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lm-seeds", type=int, default=1, help="seeds of the language part")
     parser.add_argument("--model", default="smollm2", help="the language part's model (smollm2 | tiny-llama)")
     parser.add_argument("--parts", nargs="+", default=["language", "vision"], choices=["language", "vision"])
+    parser.add_argument("--lm-methods", nargs="+", default=list(LM_METHODS), choices=list(LM_METHODS))
+    parser.add_argument("--channels", nargs="+", default=None, help="only these channels (default: every one carried)")
+    parser.add_argument("--extra", default="", help="more Hydra overrides for every run (e.g. \"train.lr=1e-2\")")
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-channels")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "channels")
     args = parser.parse_args(argv)
@@ -139,11 +143,15 @@ def main(argv=None) -> int:
         if "smartfed" in LM_METHODS:
             ensure_pool(args.model)
         rows: dict = {}
-        for algorithm, own in LM_METHODS.items():
+        for algorithm in args.lm_methods:
+            own = LM_METHODS[algorithm]
             for channel in channels_of(algorithm, "shakespeare", args.model):
+                if args.channels and channel not in args.channels:
+                    continue
                 for seed in range(args.lm_seeds):
                     row = run("shakespeare", algorithm, channel,
-                              [f"model={args.model}", f"rounds={args.rounds}", f"seed={seed}", *LM_COMMON, *own],
+                              [f"model={args.model}", f"rounds={args.rounds}", f"seed={seed}", *LM_COMMON, *own,
+                               *shlex.split(args.extra)],
                               args.runs, f"lm-{algorithm}-{channel}-s{seed}")
                     rows.setdefault((algorithm, channel), []).append(row)
                     print(f"[language] {algorithm} / {channel} seed {seed}: {row['uplink']:,.0f} B, "
@@ -153,9 +161,11 @@ def main(argv=None) -> int:
         rows = {}
         for algorithm, own in VISION_METHODS.items():
             for channel in channels_of(algorithm, "cifar10", "tiny-cnn"):
+                if args.channels and channel not in args.channels:
+                    continue
                 for seed in range(args.seeds):
                     row = run("cifar10", algorithm, channel, [*VISION_COMMON, f"rounds={args.vision_rounds}",
-                                                              f"seed={seed}", *own],
+                                                              f"seed={seed}", *own, *shlex.split(args.extra)],
                               args.runs, f"vision-{algorithm}-{channel}-s{seed}")
                     rows.setdefault((algorithm, channel), []).append(row)
                     print(f"[vision] {algorithm} / {channel} seed {seed}: {row['uplink']:,.0f} B, "
