@@ -93,13 +93,14 @@ def deployment(model: str, clients: int, rounds: int, out: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model only")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-overhead")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "overhead")
     args = parser.parse_args(argv)
     command = "python bench/overhead.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    models = ["tiny-llama"] if args.quick else list(MODELS)
+    models = ["tiny-llama"] if args.quick else args.models
     started = time.time()
     results = []
     for model in models:
