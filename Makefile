@@ -100,6 +100,7 @@ bench: assets
 	$(PY) bench/secagg.py
 	$(PY) bench/privacy.py
 	$(PY) bench/channels.py
+	$(PY) bench/overhead.py
 	$(PY) bench/lm_memory.py
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \

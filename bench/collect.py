@@ -9,7 +9,8 @@ flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py 
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py), ``docs/bench/fuzz_table.md`` and
 ``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
-(bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py). Each report carries the
+(bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py), ``docs/bench/overhead/overhead.md``
+(bench/overhead.py). Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
 and says which report is missing.
 """
@@ -50,6 +51,8 @@ REPORTS = (
     ("Utility vs ε under central DP: latent updates vs full weights", DOCS / "bench" / "privacy" / "privacy.md",
      "bench/privacy.py", None),
     ("Method × channel: bytes and the metric", DOCS / "bench" / "channels" / "channels.md", "bench/channels.py", None),
+    ("Flower's share of a round: simulation vs deployment", DOCS / "bench" / "overhead" / "overhead.md",
+     "bench/overhead.py --quick", None),
 )
 
 
