@@ -106,6 +106,10 @@ def main(argv=None) -> int:
     for model in models:
         for mode, runner in (("simulation", simulation), ("deployment", deployment)):
             run_dir = runner(model, args.clients, args.rounds, args.runs.resolve())
+            summary = json.loads((run_dir / "summary.json").read_text())
+            if summary.get("status") != "completed":  # `flwr run` exits 0 for a failed run: say so, do not average
+                raise SystemExit(f"overhead: the {mode} run of {model} ended {summary.get('status')}: "
+                                 f"{summary.get('error')} ({run_dir})")
             rows = rounds_of(run_dir)
             steady = [r for r in rows if r["round"] > 1] or rows
             results.append({"model": model, "mode": mode, "run_dir": str(run_dir), "rounds": rows,
