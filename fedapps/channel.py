@@ -30,6 +30,7 @@ client's model (``torch.nn.utils.parametrize``: each federated tensor becomes ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -100,11 +101,9 @@ def apply(cfg) -> None:
         if fmt not in ("fp32", "int4"):
             raise ChannelError(f"channel.format must be fp32 or int4, got {fmt!r}")
         algorithm.payload = fmt
-        if "uplink" in algorithm:  # (SmartFed's expert updates have no uplink setting: they are deltas)
-            algorithm.uplink = "delta"
-        return
-    algorithm.payload = name
-    if name == "fp32" or "uplink" not in algorithm:  # (SmartFed's expert updates have no uplink setting)
+    else:
+        algorithm.payload = name
+    if name == "fp32" or "uplink" not in algorithm:  # (SmartFed's expert updates have no uplink setting: deltas)
         return
     algorithm.uplink = "delta"
     if name in ("topk", "powersgd"):
@@ -127,7 +126,8 @@ def allocate(shapes: dict[str, tuple[int, ...]], settings: LatentSettings) -> di
     try:
         return dict(zip(keys, split_budget(settings.latents, weights, caps)))
     except ValueError as err:
-        raise ChannelError(f"channel.latents={settings.latents} over {len(keys)} federated tensors: {err} (lower channel.latents or raise channel.rank)") from None
+        raise ChannelError(f"channel.latents={settings.latents} over {len(keys)} federated tensors: {err} "
+                           "(lower channel.latents or raise channel.rank)") from None
 
 
 def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], latents: dict[str, int],
@@ -190,6 +190,14 @@ class LatentDelta(nn.Module):
         return received + ((self.A * s) @ self.B).reshape(self.shape).to(received.dtype)
 
 
+@functools.lru_cache(maxsize=2)
+def _client_factors(settings: LatentSettings, shapes: tuple, server_round: int):
+    """A round's factors, made once per process: one Ray actor trains several nodes in the same round
+    (read-only: the parametrizations hold them as buffers)."""
+    shapes = dict(shapes)
+    return round_factors(settings, shapes, allocate(shapes, settings), server_round)
+
+
 class LatentRun:
     """One round's latents on a client: attached by :func:`latent_training`, read after it."""
 
@@ -218,9 +226,8 @@ def latent_training(call, model: nn.Module, names: list[str]):
         yield None
         return
     params = dict(model.named_parameters())
-    shapes = {n: tuple(params[n].shape) for n in names}
-    latents = allocate(shapes, settings)
-    factors = round_factors(settings, shapes, latents, call.server_round)
+    factors = _client_factors(settings, tuple((n, tuple(params[n].shape)) for n in sorted(names)),
+                              int(call.server_round))
     run, attached = LatentRun(), []
     try:
         for name in sorted(names):
