@@ -98,8 +98,8 @@ def apply(cfg) -> None:
     if name == "latent":
         settings_of(cfg)  # its settings are checked here, not on the first client
         fmt = str(block.get("format", "int4"))
-        if fmt not in ("fp32", "int4"):
-            raise ChannelError(f"channel.format must be fp32 or int4, got {fmt!r}")
+        if fmt not in ("fp32", "int4", "int4b"):
+            raise ChannelError(f"channel.format must be fp32, int4 or int4b, got {fmt!r}")
         algorithm.payload = fmt
     else:
         algorithm.payload = name

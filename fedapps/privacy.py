@@ -39,4 +39,4 @@ def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayR
     update.metrics["dp-norm"] = norm
     out = {k: (received[k] + v) if absolute else v for k, v in clipped.items()}
     fmt = str(cfg.algorithm.get("payload", "fp32"))
-    return codec.encode(out, fmt, rng=np.random.default_rng(call.seed) if fmt == "int4" else None)
+    return codec.encode(out, fmt, rng=np.random.default_rng(call.seed) if fmt in codec.QUANTISED else None)

@@ -197,7 +197,7 @@ def uplink_record(cfg, context: Context, local: dict, received: dict, seed: int)
     if compressor.error_feedback or fmt == "powersgd":
         if UPDATE_MEMORY in context.state.array_records:
             memory = codec.decode(context.state.array_records[UPDATE_MEMORY])
-    rng = np.random.default_rng(seed) if fmt == "int4" else None
+    rng = np.random.default_rng(seed) if fmt in codec.QUANTISED else None
     record, memory = compressor.compress(values, memory, rng=rng)
     if memory:
         context.state[UPDATE_MEMORY] = codec.encode(memory, "fp32")

@@ -298,7 +298,7 @@ class PayloadFedAvg(FedAvg):
             declared = codec.check_declared(key, array, self.uplink_stypes[key])
             if declared != shape:
                 raise PayloadError(f"tensor '{key}' has shape {declared}, expected {shape}")
-            if array.stype in (codec.FP32, codec.INT4) and len(array.data) != codec.expected_nbytes(shape, array.stype):
+            if array.stype in codec.DENSE and len(array.data) != codec.expected_nbytes(shape, array.stype):
                 raise PayloadError(f"tensor '{key}' carries {len(array.data)} bytes, expected "
                                    f"{codec.expected_nbytes(shape, array.stype)} for shape {shape}")
         nbytes = codec.payload_bytes(record)

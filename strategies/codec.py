@@ -4,7 +4,8 @@ A payload is a ``dict[str, np.ndarray]`` of named tensors. On the wire it is one
 ``ArrayRecord`` whose ``Array``s carry the raw little-endian bytes of each tensor (no
 ``.npy`` header), so that the bytes counted are exactly the bytes the method needs:
 ``nbytes`` for fp32, and for int4 the packed nibbles plus one fp32 scale and one fp32 zero
-point per tensor (``strategies.int4``). Compressed *updates* have two more stypes
+point per tensor (``strategies.int4``), for int4b one fp32 scale and zero point per 64
+values instead (block-wise int4: one large value costs resolution in its block only). Compressed *updates* have two more stypes
 (``strategies.compress``): ``postcard.topk`` (uint32 flat indices, strictly increasing,
 then their fp32 values) and ``postcard.lowrank`` (fp32 factors ``P`` (m×r) then ``Q``
 (n×r) of ``M ≈ P Qᵀ``, ``M`` the tensor as ``shape[0] × rest``); both decode to dense.
@@ -23,10 +24,13 @@ from flwr.app import Array, ArrayRecord
 
 FP32 = "postcard.fp32"
 INT4 = "postcard.int4"
+INT4B = "postcard.int4b"
 TOPK = "postcard.topk"
 LOWRANK = "postcard.lowrank"
-FORMATS = {"fp32": FP32, "int4": INT4}
-STYPES = (FP32, INT4, TOPK, LOWRANK)
+FORMATS = {"fp32": FP32, "int4": INT4, "int4b": INT4B}
+QUANTISED = ("int4", "int4b")  # the formats that round (stochastically, for updates)
+DENSE = (FP32, INT4, INT4B)  # the stypes whose byte length follows from the shape
+STYPES = (*DENSE, TOPK, LOWRANK)
 MAX_NUMEL = 2**32 - 1  # the most values one tensor may declare (top-k indices are uint32)
 
 
@@ -44,9 +48,9 @@ def _as_fp32(name: str, value) -> np.ndarray:
 
 
 def encode(tensors: Mapping[str, np.ndarray], fmt: str = "fp32", rng: np.random.Generator | None = None) -> ArrayRecord:
-    """Named float tensors -> ArrayRecord in wire format ``fmt`` ('fp32' or 'int4').
+    """Named float tensors -> ArrayRecord in wire format ``fmt`` ('fp32', 'int4' or 'int4b').
 
-    With ``rng``, int4 uses unbiased stochastic rounding (same bytes, see ``strategies.int4``).
+    With ``rng``, int4 and int4b use unbiased stochastic rounding (same bytes, see ``strategies.int4``).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown payload format '{fmt}'; choose one of {sorted(FORMATS)}")
@@ -56,9 +60,9 @@ def encode(tensors: Mapping[str, np.ndarray], fmt: str = "fp32", rng: np.random.
         if fmt == "fp32":
             data = arr.astype("<f4", copy=False).tobytes()
         else:
-            from strategies.int4 import pack_int4
+            from strategies.int4 import pack_int4, pack_int4_blocks
 
-            data = pack_int4(arr.reshape(-1), rng=rng)
+            data = (pack_int4 if fmt == "int4" else pack_int4_blocks)(arr.reshape(-1), rng=rng)
         record[name] = Array(dtype="float32", shape=tuple(int(s) for s in arr.shape), stype=FORMATS[fmt], data=data)
     return record
 
@@ -165,6 +169,10 @@ def expected_nbytes(shape: tuple[int, ...], stype: str) -> int:
         return 4 * numel
     if stype == INT4:
         return (numel + 1) // 2 + 8
+    if stype == INT4B:
+        from strategies.int4 import int4_blocks_nbytes
+
+        return int4_blocks_nbytes(numel)
     raise PayloadError(f"unknown array stype '{stype}'")
 
 
@@ -190,10 +198,10 @@ def decode(record: ArrayRecord) -> dict[str, np.ndarray]:
         if array.stype == FP32:
             arr = np.frombuffer(array.data, dtype="<f4").reshape(shape).astype(np.float32)
         else:
-            from strategies.int4 import unpack_int4
+            from strategies.int4 import unpack_int4, unpack_int4_blocks
 
             try:
-                arr = unpack_int4(array.data, numel).reshape(shape)
+                arr = (unpack_int4 if array.stype == INT4 else unpack_int4_blocks)(array.data, numel).reshape(shape)
             except ValueError as err:
                 raise PayloadError(f"tensor '{name}': {err}") from None
         if not np.all(np.isfinite(arr)):

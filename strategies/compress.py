@@ -38,7 +38,7 @@ from flwr.app import ArrayRecord
 
 from strategies import codec
 
-UPDATE_FORMATS = ("fp32", "int4", "topk", "powersgd")
+UPDATE_FORMATS = ("fp32", "int4", "int4b", "topk", "powersgd")
 
 
 def check_format(fmt: str, fraction: float | None = None, rank: int | None = None) -> None:
@@ -77,8 +77,8 @@ def max_nbytes(layout: Mapping[str, tuple[int, ...]], fmt: str, *, fraction: flo
         numel = int(np.prod(shape)) if shape else 1
         if fmt == "fp32":
             total += 4 * numel
-        elif fmt == "int4":
-            total += codec.expected_nbytes(tuple(shape), codec.INT4)
+        elif fmt in codec.QUANTISED:
+            total += codec.expected_nbytes(tuple(shape), codec.FORMATS[fmt])
         elif fmt == "topk":
             total += 8 * topk_count(numel, fraction)
         elif lowrank_applies(tuple(shape), int(rank)):
@@ -97,7 +97,7 @@ def expected_stypes(layout: Mapping[str, tuple[int, ...]], fmt: str, *, rank: in
         if fmt == "powersgd":
             out[key] = {codec.LOWRANK} if lowrank_applies(tuple(shape), int(rank)) else {codec.FP32}
         else:
-            out[key] = {{"fp32": codec.FP32, "int4": codec.INT4, "topk": codec.TOPK}[fmt]}
+            out[key] = {{**codec.FORMATS, "topk": codec.TOPK}[fmt]}
     return out
 
 
@@ -154,8 +154,8 @@ class UpdateCompressor:
     def compress(self, update: Mapping[str, np.ndarray], memory: Mapping[str, np.ndarray] | None = None,
                  rng: np.random.Generator | None = None) -> tuple[ArrayRecord, dict[str, np.ndarray]]:
         memory = dict(memory or {})
-        if self.fmt in ("fp32", "int4"):
-            return codec.encode(update, self.fmt, rng=rng if self.fmt == "int4" else None), memory
+        if self.fmt in codec.FORMATS:
+            return codec.encode(update, self.fmt, rng=rng if self.fmt in codec.QUANTISED else None), memory
         record = ArrayRecord()
         for name, value in update.items():
             target = np.asarray(value, dtype=np.float32)

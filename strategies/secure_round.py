@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from strategies import secagg
+from strategies import codec, secagg
 from strategies.secagg import ClientSecrets, FixedPoint, SecAggError
 
 RECORD = "secagg"  # the ConfigRecord of every secure-aggregation message and reply
@@ -60,7 +60,7 @@ class SecureSettings:
         if not block or not block.get("enabled"):
             return None
         bits = block.get("bits")
-        bits = (4 if payload == "int4" else 16) if bits is None else int(bits)
+        bits = (4 if payload in codec.QUANTISED else 16) if bits is None else int(bits)
         clip = block.get("clip")
         if clip == "auto":
             if auto_clip is None:

@@ -70,7 +70,7 @@ def test_every_method_and_channel_composes_or_is_refused_with_the_reason():
     assert compose(preset="test", algorithm="fednl", channel="int4").algorithm.uplink == "delta"
     with pytest.raises(ConfigError, match="secure_aggregation cannot carry .* top-k"):
         compose(["secure_aggregation.enabled=true"], preset="test", algorithm="fednl", channel="topk")
-    with pytest.raises(ConfigError, match="channel.format must be fp32 or int4"):
+    with pytest.raises(ConfigError, match="channel.format must be fp32, int4 or int4b"):
         compose(["channel.format=int8"], preset="test", algorithm="fednl", channel="latent")
     cfg = compose(["channel.latents=100000"], preset="test", algorithm="fednl", channel="latent")
     with pytest.raises(ChannelError, match="exceeds"):  # more latents than θ's tensors can take: at server start

@@ -149,3 +149,22 @@ def test_wire_bytes_are_the_protobuf_requests_flower_builds_for_a_reply():
     assert len(sent) == 7  # message, record dict, 3 records, the array and its chunk
     assert codec.wire_bytes(msg) == sum(sent) + len(head.SerializeToString())
     assert codec.payload_bytes(msg.content["arrays"]) == 648 < codec.message_bytes(msg.content) < codec.wire_bytes(msg)
+
+
+def test_block_wise_int4_latents_are_800_bytes_both_ways_and_averaged():
+    """algorithm.payload=int4b / downlink=int4b: one scale per 64 latents (800 bytes for 1,280);
+    a reply in the single-scale int4 format is refused, the global latents follow the mean update."""
+    s = strategy(fmt="int4b", uplink="delta")
+    rng = np.random.default_rng(0)
+    # one block of tiny updates beside blocks of large ones: its own scale keeps it
+    a = (rng.standard_normal(1280) * np.where(np.arange(1280) < 64, 1e-4, 1e-1)).astype(np.float32)
+    arrays, _ = s.aggregate_train(1, [reply(1, a, fmt="int4b"), reply(2, a, fmt="int4b"),
+                                      reply(3, a, fmt="int4")])
+    assert s._round["clients"]["1"]["uplink_payload_bytes"] == 800
+    assert s._round["refused"] and "wire format" in str(s._round["refused"])
+    z = codec.decode(arrays)["z"]
+    assert codec.payload_bytes(s.downlink_arrays()) == 800 and s.downlink_arrays()["z"].stype == codec.INT4B
+    small = float(np.abs(a[:64]).max())
+    assert np.abs(z[:64] - a[:64]).max() <= 2 * small / 15 + 1e-9  # within one step of the block's own range
+    one_scale = codec.decode(codec.encode({"z": a}, "int4"))["z"]
+    assert np.abs(one_scale[:64] - a[:64]).max() > 10 * np.abs(z[:64] - a[:64]).max()

@@ -172,3 +172,72 @@ def test_codec_refuses_bad_int4_payloads():
                          data=good.data[:-8] + struct.pack("<ff", -1.0, 0.0))
     with pytest.raises(ValueError, match="scale"):
         codec.decode(corrupt)
+
+
+# ---------------------------------------------------------------- block-wise int4 (int4b)
+from strategies.int4 import BLOCK, int4_blocks_nbytes, pack_int4_blocks, unpack_int4_blocks  # noqa: E402
+
+
+def test_block_wise_int4_sizes_and_per_block_error_bound():
+    assert BLOCK == 64 and int4_blocks_nbytes(1280) == 640 + 20 * 8 == 800
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 63, 64, 65, 127, 1280, 1281):
+        # each block at its own magnitude: one scale for all would lose the small blocks entirely
+        x = (rng.standard_normal(n) * np.repeat(10.0 ** np.arange(-4, 4), -(-n // 8))[:n]).astype(np.float32)
+        data = pack_int4_blocks(x)
+        assert len(data) == int4_blocks_nbytes(n)
+        y = unpack_int4_blocks(data, n)
+        assert y.dtype == np.float32 and y.shape == (n,)
+        for start in range(0, n, BLOCK):
+            block, got = x[start:start + BLOCK], y[start:start + BLOCK]
+            assert_within_half_step(block, got)  # the block's own step, not the whole vector's
+            assert got.min() == block.min()
+
+
+def test_block_wise_int4_beats_one_scale_when_magnitudes_differ():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(64) * 1e-3, rng.standard_normal(64) * 1.0]).astype(np.float32)
+    small_one_scale = np.abs(unpack_int4(pack_int4(x), 128) - x)[:64].max()
+    small_blocks = np.abs(unpack_int4_blocks(pack_int4_blocks(x), 128) - x)[:64].max()
+    assert small_blocks < small_one_scale / 100
+
+
+def test_block_wise_stochastic_rounding_is_unbiased():
+    x = latents(130, seed=5) * np.repeat([1e-3, 1.0, 10.0], [64, 64, 2]).astype(np.float32)
+    rng = np.random.default_rng(0)
+    decoded = np.stack([unpack_int4_blocks(pack_int4_blocks(x, rng=rng), 130) for _ in range(400)])
+    for start in range(0, 130, BLOCK):
+        block = x[start:start + BLOCK]
+        step = float(block.max() - block.min()) / 15
+        assert np.abs(decoded[:, start:start + BLOCK] - block).max() < step * (1 + 1e-6) + 1e-12
+        assert np.abs(decoded[:, start:start + BLOCK].mean(0) - block).max() <= 4 * step / 2 / 20 + 1e-12
+
+
+def test_block_wise_int4_refuses_corrupt_data():
+    data = pack_int4_blocks(latents(65))
+    assert len(data) == 33 + 2 * 8
+    with pytest.raises(ValueError, match="must be 49 bytes, got 48"):
+        unpack_int4_blocks(data[:-1], 65)
+    nibbles = data[:33]
+    for scale, zero in ((float("nan"), 0.0), (1.0, float("inf")), (-1.0, 0.0)):
+        with pytest.raises(ValueError, match="scale"):
+            unpack_int4_blocks(nibbles + data[33:41] + struct.pack("<ff", scale, zero), 65)
+    padded = bytearray(data)
+    padded[32] |= 0xF0
+    with pytest.raises(ValueError, match="padding"):
+        unpack_int4_blocks(bytes(padded), 65)
+
+
+def test_block_wise_int4_through_the_codec_and_refused_where_not_sent():
+    z = latents(1280)
+    record = codec.encode({"z": z}, "int4b")
+    assert record["z"].stype == codec.INT4B and codec.payload_bytes(record) == 800
+    np.testing.assert_array_equal(codec.decode(record)["z"], unpack_int4_blocks(pack_int4_blocks(z), 1280))
+    from flwr.app import Array, ArrayRecord
+
+    short = ArrayRecord()
+    short["z"] = Array(dtype="float32", shape=(1280,), stype=codec.INT4B, data=record["z"].data[:-1])
+    with pytest.raises(codec.PayloadError, match="carries 799 bytes, expected 800"):
+        codec.decode(short)
+    with pytest.raises(codec.PayloadError, match="this run sends"):
+        codec.check_declared("z", record["z"], {codec.INT4})
