@@ -31,6 +31,32 @@ def flwr_run(tmp_path, run_config: str, supernodes: int = 2, timeout: int = 900)
         stop_superlinks(flwr_home)
 
 
+def two_ray_nodes():
+    """A Ray cluster of two nodes on this machine (a head and a second node, one CPU each), as
+    `ray start --head` + `ray start --address=...` make on two machines; its ``shutdown()``
+    stops only its own processes."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def ray_placement(address: str) -> dict:
+    """The cluster's nodes and, for every ClientApp actor it ever ran (dead ones included), its node."""
+    code = ("import json, ray\nfrom ray._private import state\n"
+            f"ray.init(address={address!r}, logging_level='ERROR')\n"
+            "print(json.dumps({'nodes': sorted(n['NodeID'] for n in ray.nodes() if n['Alive']), "
+            "'actors': [v['Address']['NodeID'] for v in state.actors().values() "
+            "if v['ActorClassName'] == 'ClientAppActor']}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
     out = tmp_path / "runs"
     overrides = ("num_clients=2 rounds=1 train.local_steps=2 train.batch_size=2 train.seq_len=64 "
@@ -54,10 +80,14 @@ def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
 
 def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experiment(tmp_path):
     """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 2 for a refused configuration
-    (at once), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes. The completed configuration, run again by the
-    in-process simulation (fedapps.simulation, what the benchmarks use), gives the same metrics."""
+    (at once), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes.
+    The runs go to a two-node Ray cluster (RAY_ADDRESS, docs/deploy.md §1): the completed run's two
+    ClientApps ran one on each node, and the same configuration run again by the in-process
+    single-node simulation (fedapps.simulation, what the benchmarks use) gives the same metrics."""
     flwr_home = tmp_path / "flwr-home"
     env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
+    cluster = two_ray_nodes()
+    env["RAY_ADDRESS"] = cluster.address  # the SuperLink that `flwr run` starts, and its simulation, join it
     federation = ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
     out = tmp_path / "runs"
 
@@ -89,8 +119,12 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         (run,) = out.iterdir()
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "completed"
+        placement = ray_placement(cluster.address)
+        assert len(placement["nodes"]) == 2
+        assert set(placement["actors"]) == set(placement["nodes"]), placement  # ClientApps ran on both nodes
     finally:
         stop_superlinks(flwr_home)
+        cluster.shutdown()
     # the same configuration through the in-process simulation: the same experiment
     from fedapps.config import compose
     from fedapps.simulation import simulate
