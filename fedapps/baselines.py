@@ -17,7 +17,7 @@ from clients.flite import frozen_head_
 from clients.models import build_model
 from clients.train import evaluate as evaluate_model
 from clients.train import local_metrics, local_train
-from fedapps.channel import latent_training, server_channel
+from fedapps.channel import latent_training, received_state, server_channel, settings_of
 from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
                             uplink_kwargs)
 from fedapps.session import uplink_record
@@ -34,20 +34,27 @@ def prepare(cfg):
         model = apply_lora(model, cfg.algorithm.lora, seed=int(cfg.seed))
     else:
         model.requires_grad_(True)
-    return model, tokenizer, {"names": federated_names(model, cfg.algorithm)}
+    extra = {"names": federated_names(model, cfg.algorithm)}
+    settings = settings_of(cfg)
+    if settings is not None and settings.downlink == "latent":  # θ_fed,0: what the latent downlink replays from
+        extra["initial"] = {k: v.numpy().copy() for k, v in federated_state(model, extra["names"]).items()}
+    return model, tokenizer, extra
 
 
-def load_global(model, arrays) -> dict[str, torch.Tensor]:
-    """Decode a downlink (validated by the codec) into the model's federated tensors; returns them."""
-    state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
-    load_federated_state(model, state)
+def load_global(call: ClientCall) -> dict[str, torch.Tensor]:
+    """The downlink (validated by the codec; a latent one replayed) into the model's federated tensors;
+    returns them."""
+    s = call.session
+    values = received_state(call.cfg, call.arrays, s.extra.get("initial", {}))
+    state = {k: torch.from_numpy(v) for k, v in values.items()}
+    load_federated_state(s.model, state)
     return state
 
 
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
     cfg, s = call.cfg, call.session
-    received = load_global(s.model, call.arrays)
+    received = load_global(call)
     mu = float(call.config.get("proximal-mu", 0.0))
     with latent_training(call, s.model, s.extra["names"]) as latent:  # None unless channel=latent
         metrics = local_train(
@@ -66,7 +73,7 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
-    load_global(call.session.model, call.arrays)
+    load_global(call)
     return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
 

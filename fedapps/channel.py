@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -39,9 +40,12 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from strategies.channel import LATENT_KEY, LatentChannel, matrix_shape
+from strategies import codec
+from strategies.channel import DOWNLINKS, LATENT_KEY, LatentChannel, history_rounds, matrix_shape, replay
 
 CHANNELS = ("method", "fp32", "int4", "topk", "powersgd", "latent")
+# the methods whose clients replay a latent downlink (fedapps.baselines.load_global -> received_state)
+LATENT_DOWNLINK = ("fedavg-lora", "fedprox", "ffa-lora", "fedavg-full")
 
 
 class ChannelError(ValueError):
@@ -55,6 +59,7 @@ class LatentSettings:
     seed: int
     scale: float
     split: str
+    downlink: str = "dense"
 
     @classmethod
     def of(cls, cfg) -> LatentSettings | None:
@@ -63,7 +68,8 @@ class LatentSettings:
             return None
         try:
             settings = cls(latents=int(block.latents), rank=int(block.rank), seed=int(block.seed),
-                           scale=float(block.scale), split=str(block.split))
+                           scale=float(block.scale), split=str(block.split),
+                           downlink=str(block.get("downlink", "dense")))
         except (TypeError, ValueError) as err:
             raise ChannelError(f"channel: {err}") from None
         if settings.latents < 1 or settings.rank < 1 or not settings.scale > 0:
@@ -72,6 +78,8 @@ class LatentSettings:
             raise ChannelError(f"channel.seed must be an unsigned 64-bit integer, got {settings.seed}")
         if settings.split not in ("sqrt", "numel", "equal"):
             raise ChannelError(f"channel.split must be sqrt, numel or equal, got {settings.split!r}")
+        if settings.downlink not in DOWNLINKS:
+            raise ChannelError(f"channel.downlink must be {' or '.join(DOWNLINKS)}, got {settings.downlink!r}")
         return settings
 
 
@@ -96,7 +104,10 @@ def apply(cfg) -> None:
         raise ChannelError(f"algorithm '{algorithm.name}' cannot travel through channel '{name}': {why} "
                            f"(it carries: method{''.join(', ' + c for c in carried)})")
     if name == "latent":
-        settings_of(cfg)  # its settings are checked here, not on the first client
+        settings = settings_of(cfg)  # its settings are checked here, not on the first client
+        if settings.downlink == "latent" and str(algorithm.name) not in LATENT_DOWNLINK:
+            raise ChannelError(f"channel.downlink=latent: algorithm '{algorithm.name}' loads its downlink in a form "
+                               f"of its own; the clients that replay latents: {', '.join(LATENT_DOWNLINK)}")
         fmt = str(block.get("format", "int4"))
         if fmt not in ("fp32", "int4", "int4b"):
             raise ChannelError(f"channel.format must be fp32, int4 or int4b, got {fmt!r}")
@@ -162,7 +173,7 @@ def channel_factory(cfg):
             return {k: tuple(t.numpy() for t in f) for k, f in round_factors(settings, shapes, latents,
                                                                               server_round).items()}
 
-        return LatentChannel(shapes, latents, factors)
+        return LatentChannel(shapes, latents, factors, downlink=settings.downlink)
 
     return build
 
@@ -174,6 +185,41 @@ def server_channel(cfg, initial_state: dict[str, np.ndarray]) -> LatentChannel |
 
 
 # ---------------------------------------------------------------------------- the client
+_REPLAYED: dict = {}  # (settings, shapes) -> (the history replayed so far, θ_fed after it): one per process
+
+
+def received_state(cfg, arrays, initial: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The federated tensors a downlink carries: decoded (the method's own downlink), or, with
+    ``channel.downlink=latent``, replayed from ``initial`` (θ_fed,0, which the client builds as the
+    server did) through every round's combined latents, as the server added them. A process keeps its
+    last replay and adds only the rounds that are new (an actor serves many messages)."""
+    settings = settings_of(cfg)
+    if settings is None or settings.downlink != "latent":
+        return codec.decode(arrays)
+    try:
+        rounds = history_rounds(list(arrays.keys()))
+    except ValueError as err:
+        raise codec.PayloadError(f"latent downlink: {err}") from None
+    decoded = codec.decode(arrays)
+    history = [(t, decoded[key]) for t, key in rounds]
+    shapes = tuple((k, tuple(int(s) for s in np.shape(v))) for k, v in sorted(initial.items()))
+    channel = channel_factory(cfg)(dict(shapes))
+    for _, z in history:
+        if z.shape != (channel.size,):
+            raise codec.PayloadError(f"latent downlink: a round of {z.size} latents, the channel has {channel.size}")
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(initial[k], np.float32).tobytes() for k, _ in shapes))
+    cache_key = (settings, shapes, digest.hexdigest())
+    start, state = 0, initial
+    cached = _REPLAYED.get(cache_key)
+    if cached is not None and len(cached[0]) <= len(history) and all(
+            t == done_t and np.array_equal(z, done_z) for (t, z), (done_t, done_z) in zip(history, cached[0])):
+        start, state = len(cached[0]), cached[1]
+    state = replay(channel, state, history[start:])
+    _REPLAYED.clear()  # one replay kept: the latest
+    _REPLAYED[cache_key] = (history, state)
+    return {k: v.copy() for k, v in state.items()}
+
+
 class LatentDelta(nn.Module):
     """A parametrization: the frozen received value plus ``ΔW(z)``; ``z`` (zeros) is what trains."""
 

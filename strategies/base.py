@@ -38,13 +38,13 @@ from collections.abc import Callable, Iterable, Mapping
 from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from strategies import codec, compress, robust
-from strategies.channel import LatentChannel
+from strategies.channel import LATENT_KEY, LatentChannel, apply_update, history_key
 from strategies.codec import PayloadError
 from strategies.privacy import Privacy, add_noise
 from strategies.robust import Robustness
@@ -127,6 +127,8 @@ class PayloadFedAvg(FedAvg):
         if missing:
             raise ValueError(f"uplink keys not in the global state: {sorted(missing)[:5]}")
         self.channel = channel
+        self.latent_history: list[tuple[int, Array]] = []  # a latent downlink's combined z per round, as sent
+        self._pending_latent: tuple[int, Array] | None = None  # this round's, until the round commits
         if channel is not None:
             if uplink != "delta" or uplink_format not in codec.FORMATS:
                 raise ValueError("the latent channel sends each round's latents: uplink='delta', fp32 or int4")
@@ -175,8 +177,20 @@ class PayloadFedAvg(FedAvg):
         """The new global values from a combined update in payload space: ``global + update``
         (through the latent channel's expansion first, when the payload is latents)."""
         if self.channel is not None:
+            if self.latent_downlink and np.all(np.isfinite(update[LATENT_KEY])):
+                # the combined z as the clients will decode it from the downlink (a non-finite one is refused later)
+                array = codec.encode({LATENT_KEY: update[LATENT_KEY]}, self.uplink_format)[LATENT_KEY]
+                self._pending_latent = (int(server_round), array)
+                record = ArrayRecord()
+                record[LATENT_KEY] = array
+                update = codec.decode(record)
             update = self.channel.expand(server_round, update)
-        return {k: (self.global_state[k].astype(np.float64) + v).astype(np.float32) for k, v in update.items()}
+        return apply_update(self.global_state, update)
+
+    @property
+    def latent_downlink(self) -> bool:
+        """Whether the downlink is the latent channel's history of combined latents (not θ_fed)."""
+        return self.channel is not None and self.channel.downlink == "latent"
 
     def downlink_arrays(self) -> ArrayRecord:
         """What every client receives, encoded once per global state and reused until it changes
@@ -186,13 +200,19 @@ class PayloadFedAvg(FedAvg):
         return self._downlink
 
     def encode_downlink(self) -> ArrayRecord:
-        """The federated keys of the global state in the downlink format (a subclass sends its own)."""
+        """The federated keys of the global state in the downlink format (a subclass sends its own),
+        or, with a latent downlink, every committed round's combined latents (``latent/round-NNNNN``)."""
+        if self.latent_downlink:
+            record = ArrayRecord()
+            for t, array in self.latent_history:
+                record[history_key(t)] = array
+            return record
         return codec.encode({k: self.global_state[k] for k in self.uplink_keys}, self.downlink_format)
 
     def global_arrays(self) -> ArrayRecord:
         """The whole global state as fp32 (what ``aggregate_train`` returns, as Flower's strategies
         do): the downlink itself when that is the same record, so it is encoded once."""
-        if self.downlink_format == "fp32" and self.uplink_keys == sorted(self.global_state) \
+        if self.downlink_format == "fp32" and self.uplink_keys == sorted(self.global_state) and not self.latent_downlink \
                 and type(self).encode_downlink is PayloadFedAvg.encode_downlink:
             return self.downlink_arrays()
         return codec.encode(self.global_state, "fp32")
@@ -222,8 +242,10 @@ class PayloadFedAvg(FedAvg):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON-able metadata) that let a new server process continue this run."""
-        return {k: v.copy() for k, v in self.global_state.items()}, {"history": list(self.history),
-                                                                     "privacy_released": self.privacy_released}
+        meta = {"history": list(self.history), "privacy_released": self.privacy_released}
+        if self.latent_downlink:  # the bytes as sent: a resumed run sends the clients the same history
+            meta["latent_history"] = [[t, a.stype, list(a.shape), a.data.hex()] for t, a in self.latent_history]
+        return {k: v.copy() for k, v in self.global_state.items()}, meta
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
         """Restore :meth:`state_dict`'s output; the layout (keys, shapes) must be this strategy's."""
@@ -240,6 +262,10 @@ class PayloadFedAvg(FedAvg):
         self._downlink = None
         self.history = list(meta.get("history", []))
         self.privacy_released = int(meta.get("privacy_released", 0))
+        self.latent_history = [(int(t), Array(dtype="float32", shape=tuple(shape), stype=str(stype),
+                                              data=bytes.fromhex(data)))
+                               for t, stype, shape, data in meta.get("latent_history", [])]
+        self._pending_latent = None
         self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
         self._round = {}
 
@@ -419,6 +445,9 @@ class PayloadFedAvg(FedAvg):
         for key, value in update.items():
             self.global_state[key] = value.astype(np.float32)
         self._downlink = None
+        if self._pending_latent is not None and self._pending_latent[0] == self._round.get("round"):
+            self.latent_history.append(self._pending_latent)
+        self._pending_latent = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         out = self._aggregate_train(server_round, replies)

@@ -11,7 +11,7 @@ tensor's latents, concatenated in sorted key order: one vector, fp32 or int4). T
 are drawn afresh every round, so the global model is not confined to one subspace: after
 ``R`` rounds it has moved along ``R`` different ones.
 
-The server keeps θ_fed dense (the downlink is the method's own, fp32 or int4) and everything
+The server keeps θ_fed dense and everything
 it does to a reply — clipping, robust aggregators, differential privacy's noise, secure
 aggregation's masked sum — happens in latent space, on ``z``; :meth:`LatentChannel.expand`
 maps the round's combined ``z`` to the dense update of θ_fed at the end. ``expand`` is
@@ -19,6 +19,12 @@ linear, so the mean of the clients' latents expands to the mean of their updates
 averaging identity). Because each tensor's directions are orthonormal times its
 coefficient ``c_k``, ``‖ΔW_k(z_k)‖ = c_k ‖z_k‖`` exactly: an update clipped to norm ``C`` in
 latent space moves θ_fed by at most ``max_k c_k · C`` (:meth:`LatentChannel.gain`).
+
+The downlink is the method's own (θ_fed dense), or, with ``downlink="latent"``, every round's
+combined latents so far (:func:`history_record`: one array per round, in the uplink's
+format, ``r × 648`` bytes after ``r`` rounds of 1,280 int4 latents): a client replays them
+from its own θ_fed,0 (:func:`replay`) with the same arithmetic the server used
+(:func:`apply_update`), so both hold the same θ_fed bit for bit.
 
 This module is numpy only: the factors come from a callable the ServerApp builds
 (``fedapps.channel``), the same generator the clients use.
@@ -31,6 +37,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 LATENT_KEY = "latent"  # the one tensor a latent-channel reply carries
+HISTORY_PREFIX = f"{LATENT_KEY}/round-"  # + the round (5 digits): one combined z of a latent downlink
+DOWNLINKS = ("dense", "latent")
 
 Factors = Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # key -> (A, B, V) of one round
 
@@ -44,7 +52,10 @@ class LatentChannel:
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], latents: Mapping[str, int],
-                 factors: Callable[[int], Factors]) -> None:
+                 factors: Callable[[int], Factors], downlink: str = "dense") -> None:
+        if downlink not in DOWNLINKS:
+            raise ValueError(f"downlink must be one of {list(DOWNLINKS)}, got {downlink!r}")
+        self.downlink = downlink
         if set(shapes) != set(latents):
             raise ValueError("the channel needs a latent count for every federated tensor")
         self.keys = sorted(shapes)
@@ -102,6 +113,36 @@ class LatentChannel:
             gram = V @ ((A.T @ A) * (B @ B.T)) @ V.T  # c² I for orthonormalised directions
             gains.append(float(np.sqrt(np.max(np.linalg.eigvalsh(0.5 * (gram + gram.T))))))
         return max(gains)
+
+
+def apply_update(state: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``state + update`` per tensor, in float64, stored as float32: the one way the server (every
+    round) and a replaying client (every round of the history) add a round's update."""
+    return {k: (np.asarray(state[k]).astype(np.float64) + v).astype(np.float32) for k, v in update.items()}
+
+
+def history_key(server_round: int) -> str:
+    return f"{HISTORY_PREFIX}{int(server_round):05d}"
+
+
+def history_rounds(keys) -> list[tuple[int, str]]:
+    """The (round, key) pairs of a latent downlink's keys, in round order; ValueError for any other key."""
+    out = []
+    for key in keys:
+        digits = key[len(HISTORY_PREFIX):] if key.startswith(HISTORY_PREFIX) else ""
+        if len(digits) != 5 or not digits.isdigit() or int(digits) < 1:
+            raise ValueError(f"'{key}' is not a round of a latent downlink ({HISTORY_PREFIX}NNNNN)")
+        out.append((int(digits), key))
+    return sorted(out)
+
+
+def replay(channel: LatentChannel, initial: Mapping[str, np.ndarray],
+           history: list[tuple[int, np.ndarray]]) -> dict[str, np.ndarray]:
+    """θ_fed after the rounds of ``history`` ((round, combined z) in round order), from ``initial``."""
+    state = {k: np.asarray(initial[k], dtype=np.float32) for k in channel.keys}
+    for server_round, z in history:
+        state.update(apply_update(state, channel.expand(server_round, {LATENT_KEY: z})))
+    return state
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:

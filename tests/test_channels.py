@@ -244,3 +244,59 @@ def test_smartfed_experts_travel_as_latents_and_every_active_expert_moves_by_the
             mean = sum(w * getattr(p[m], field) for p, w in zip(parts, weights)) / sum(weights)
             np.testing.assert_allclose(getattr(strategy.state, field)[m][ids] - old, mean, atol=1e-6)
             assert np.all(np.abs(mean).sum(axis=1) > 0)
+
+
+# --------------------------------------------------------------------------- latent downlink
+def test_a_latent_downlink_sends_the_rounds_latents_and_clients_replay_the_servers_model_bit_for_bit():
+    """channel.downlink=latent: the downlink is every committed round's combined z (648 B a round in
+    int4), a client rebuilds θ_fed from its own θ_fed,0 and equals the server's global state exactly;
+    the history survives a checkpoint; a malformed history is refused by the client."""
+    from fedapps.channel import received_state
+    from strategies.channel import history_key
+
+    cfg = compose(["train.local_steps=2", "channel.rank=128", "channel.downlink=latent"], preset="test",
+                  algorithm="fedavg-lora", channel="latent")
+    plan = registry.get("fedavg-lora").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
+    strategy = plan.strategy
+    assert len(strategy.downlink_arrays()) == 0  # round 1: nothing to replay, θ_fed,0 everywhere
+    nodes = {1: context(1), 2: context(2)}
+    initial = {k: v.copy() for k, v in strategy.global_state.items()}
+    for server_round in (1, 2):
+        strategy.aggregate_train(server_round, train_round(cfg, strategy, server_round, nodes))
+        assert strategy._round["accepted"] == 2
+        down = strategy.downlink_arrays()
+        assert list(down.keys()) == [history_key(t) for t in range(1, server_round + 1)]
+        assert codec.payload_bytes(down) == 648 * server_round
+        replayed = received_state(cfg, down, {k: initial[k] for k in strategy.uplink_keys})
+        for key in strategy.uplink_keys:
+            np.testing.assert_array_equal(replayed[key], strategy.global_state[key])
+        assert any(not np.array_equal(replayed[k], initial[k]) for k in strategy.uplink_keys)
+    # a fresh process's full replay (no cached prefix) gives the same bits
+    import fedapps.channel as channel_module
+
+    channel_module._REPLAYED.clear()
+    again = received_state(cfg, strategy.downlink_arrays(), {k: initial[k] for k in strategy.uplink_keys})
+    for key in strategy.uplink_keys:
+        np.testing.assert_array_equal(again[key], strategy.global_state[key])
+    # a resumed server sends the same bytes
+    arrays, meta = strategy.state_dict()
+    resumed = registry.get("fedavg-lora").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    resumed.load_state_dict(arrays, meta)
+    assert [(k, a.data) for k, a in resumed.downlink_arrays().items()] == \
+        [(k, a.data) for k, a in strategy.downlink_arrays().items()]
+    # a client refuses a history it cannot replay
+    bad = ArrayRecord()
+    bad["latent/round-x"] = strategy.downlink_arrays()[history_key(1)]
+    with pytest.raises(codec.PayloadError, match="not a round of a latent downlink"):
+        received_state(cfg, bad, initial)
+    short = ArrayRecord()
+    short[history_key(1)] = codec.encode({"z": np.zeros(7, np.float32)}, "int4")["z"]
+    with pytest.raises(codec.PayloadError, match="a round of 7 latents"):
+        received_state(cfg, short, {k: initial[k] for k in strategy.uplink_keys})
+
+
+def test_a_latent_downlink_is_refused_for_methods_whose_clients_do_not_replay_it():
+    with pytest.raises(ConfigError, match="channel.downlink=latent: algorithm 'fednl'"):
+        compose(["channel.downlink=latent"], preset="test", algorithm="fednl", channel="latent")
+    with pytest.raises(ConfigError, match="channel.downlink must be dense or latent"):
+        compose(["channel.downlink=sparse"], preset="test", algorithm="fedavg-lora", channel="latent")
