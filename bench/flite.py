@@ -284,8 +284,8 @@ def report(results: dict, command: str, machine: str) -> str:
         label = "Dirichlet α=0.1" if partition == "dirichlet" else "IID"
         lines += [f"## {label}", "", "| method | lr | seeds | accuracy: round 0 → final | gain over round 0 (pp) | "
                   f"uplink B/client/round | count_bytes / wire | {REFERENCE} bytes ÷ method bytes | "
-                  f"Δ vs {REFERENCE}, same seeds (pp) | wall/run |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"downlink B/client/round | Δ vs {REFERENCE}, same seeds (pp) | wall/run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for method in s["methods"]:
             runs = groups.get((partition, method))
             if not runs:
@@ -300,7 +300,8 @@ def report(results: dict, command: str, machine: str) -> str:
             framed = " / ".join(fmt_bytes(v) if v else "–" for v in (runs[0].get("uplink_message_bytes_per_client_round"),
                                                                       runs[0].get("uplink_wire_bytes_per_client_round")))
             lines.append(f"| {method} | {runs[0]['lr']:g} | {len(runs)} | {initial:.3f} → **{final:.3f}**{spread} "
-                         f"| {gain:+.1f} | {sent:,.0f} ({fmt_bytes(sent)}) | {framed} | {ratio} | {gap} "
+                         f"| {gain:+.1f} | {sent:,.0f} ({fmt_bytes(sent)}) | {framed} | {ratio} "
+                         f"| {fmt_bytes(runs[0]['downlink_bytes_per_client_round'])} | {gap} "
                          f"| {mean_std([r['seconds'] for r in runs])[0] / 60:.1f} min |")
         lines.append("")
         for method in TINY:

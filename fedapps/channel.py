@@ -60,6 +60,7 @@ class LatentSettings:
     scale: float
     split: str
     downlink: str = "dense"
+    downlink_format: str | None = None
 
     @classmethod
     def of(cls, cfg) -> LatentSettings | None:
@@ -69,7 +70,9 @@ class LatentSettings:
         try:
             settings = cls(latents=int(block.latents), rank=int(block.rank), seed=int(block.seed),
                            scale=float(block.scale), split=str(block.split),
-                           downlink=str(block.get("downlink", "dense")))
+                           downlink=str(block.get("downlink", "dense")),
+                           downlink_format=None if block.get("downlink_format") is None
+                           else str(block.downlink_format))
         except (TypeError, ValueError) as err:
             raise ChannelError(f"channel: {err}") from None
         if settings.latents < 1 or settings.rank < 1 or not settings.scale > 0:
@@ -80,6 +83,9 @@ class LatentSettings:
             raise ChannelError(f"channel.split must be sqrt, numel or equal, got {settings.split!r}")
         if settings.downlink not in DOWNLINKS:
             raise ChannelError(f"channel.downlink must be {' or '.join(DOWNLINKS)}, got {settings.downlink!r}")
+        if settings.downlink_format not in (None, "fp32", "int4", "int4b"):
+            raise ChannelError(f"channel.downlink_format must be fp32, int4, int4b or null (= channel.format), "
+                               f"got {settings.downlink_format!r}")
         return settings
 
 
@@ -173,7 +179,8 @@ def channel_factory(cfg):
             return {k: tuple(t.numpy() for t in f) for k, f in round_factors(settings, shapes, latents,
                                                                               server_round).items()}
 
-        return LatentChannel(shapes, latents, factors, downlink=settings.downlink)
+        return LatentChannel(shapes, latents, factors, downlink=settings.downlink,
+                             downlink_format=settings.downlink_format)
 
     return build
 

@@ -179,7 +179,8 @@ class PayloadFedAvg(FedAvg):
         if self.channel is not None:
             if self.latent_downlink and np.all(np.isfinite(update[LATENT_KEY])):
                 # the combined z as the clients will decode it from the downlink (a non-finite one is refused later)
-                array = codec.encode({LATENT_KEY: update[LATENT_KEY]}, self.uplink_format)[LATENT_KEY]
+                fmt = self.channel.downlink_format or self.uplink_format
+                array = codec.encode({LATENT_KEY: update[LATENT_KEY]}, fmt)[LATENT_KEY]
                 self._pending_latent = (int(server_round), array)
                 record = ArrayRecord()
                 record[LATENT_KEY] = array

@@ -21,8 +21,8 @@ coefficient ``c_k``, ``‖ΔW_k(z_k)‖ = c_k ‖z_k‖`` exactly: an update cli
 latent space moves θ_fed by at most ``max_k c_k · C`` (:meth:`LatentChannel.gain`).
 
 The downlink is the method's own (θ_fed dense), or, with ``downlink="latent"``, every round's
-combined latents so far (:func:`history_record`: one array per round, in the uplink's
-format, ``r × 648`` bytes after ``r`` rounds of 1,280 int4 latents): a client replays them
+combined latents so far (one array per round, :func:`history_key`, in ``downlink_format``
+or the uplink's: ``r × 648`` bytes after ``r`` rounds of 1,280 int4 latents): a client replays them
 from its own θ_fed,0 (:func:`replay`) with the same arithmetic the server used
 (:func:`apply_update`), so both hold the same θ_fed bit for bit.
 
@@ -52,10 +52,12 @@ class LatentChannel:
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], latents: Mapping[str, int],
-                 factors: Callable[[int], Factors], downlink: str = "dense") -> None:
+                 factors: Callable[[int], Factors], downlink: str = "dense",
+                 downlink_format: str | None = None) -> None:
         if downlink not in DOWNLINKS:
             raise ValueError(f"downlink must be one of {list(DOWNLINKS)}, got {downlink!r}")
         self.downlink = downlink
+        self.downlink_format = downlink_format  # a latent downlink's rows: fp32 | int4 | int4b (None: the uplink's)
         if set(shapes) != set(latents):
             raise ValueError("the channel needs a latent count for every federated tensor")
         self.keys = sorted(shapes)

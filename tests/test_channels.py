@@ -323,3 +323,25 @@ def test_fedavg_lora_learns_with_latents_both_ways():
         strategy.aggregate_train(server_round, replies)
         losses.append(evaluate(server_round))
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.03, losses
+
+
+def test_a_latent_downlink_in_fp32_moves_the_model_exactly_as_the_dense_downlink():
+    """Its rows are the combined z itself: the same θ_fed as the dense downlink, bit for bit, at
+    5,120 B a round for 1,280 latents instead of θ_fed; in int4 the rows are rounded (648 B)."""
+    rng = np.random.default_rng(0)
+    z = [rng.standard_normal(K).astype(np.float32) for _ in range(3)]
+    states, sizes = {}, {}
+    for name, block in {"dense": {}, "fp32": {"downlink": "latent", "downlink_format": "fp32"},
+                        "int4": {"downlink": "latent", "downlink_format": "int4"}}.items():
+        strategy = PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=3, uplink="delta",
+                                 channel=server_channel(latent_cfg(**block), STATE))
+        for server_round in (1, 2):
+            strategy.aggregate_train(server_round, [reply(n + 1, z[n] * server_round) for n in range(3)])
+        states[name], sizes[name] = strategy.global_state, codec.payload_bytes(strategy.downlink_arrays())
+    for key in STATE:
+        np.testing.assert_array_equal(states["fp32"][key], states["dense"][key])
+    assert sizes == {"dense": 4 * (96 + 6 + 1), "fp32": 2 * 4 * K, "int4": 2 * ((K + 1) // 2 + 8)}
+    assert any(not np.array_equal(states["int4"][k], states["dense"][k]) for k in STATE)
+    with pytest.raises(ConfigError, match="channel.downlink_format must be"):
+        compose(["channel.downlink=latent", "channel.downlink_format=int8"], preset="test", algorithm="fedavg-lora",
+                channel="latent")
