@@ -27,7 +27,8 @@ fedavg-full        every weight of the backbone and head trained; the update sen
 fedavg-full-int4   the same update quantised to int4 per tensor (stochastic rounding)
 full-latent-int4   fedavg-full through the latent channel (``channel=latent``): FLITE's factors
                    drawn afresh every round over every weight, 1,280 int4 latents = 648 B up;
-                   the downlink is the dense model (docs/channels.md)
+                   down, every round's combined latents so far in fp32 (5,120 B a round; the
+                   clients replay them: the same model as a dense downlink; docs/channels.md)
 fedavg-lora        PEFT LoRA r=8 on every 1x1 convolution, FLITE's frozen orthogonal head
 topk-ef            full update, top 1% entries per tensor (index + value), error feedback
 powersgd           full update, PowerSGD rank 4 per weight matrix, error feedback
@@ -60,7 +61,8 @@ METHODS = {
     "flite-fp32": ("flite", ["algorithm.payload=fp32", "algorithm.downlink=fp32"], 1e-2),
     "fedavg-full": ("fedavg-full", ["algorithm.payload=fp32"], 1e-4),
     "fedavg-full-int4": ("fedavg-full", ["algorithm.payload=int4"], 1e-4),
-    "full-latent-int4": ("fedavg-full", ["channel=latent", "channel.format=int4"], 1e-3),
+    "full-latent-int4": ("fedavg-full", ["channel=latent", "channel.format=int4", "channel.downlink=latent",
+                                         "channel.downlink_format=fp32"], 1e-3),
     "fedavg-lora": ("fedavg-lora", [], 1e-3),
     "topk-ef": ("topk-ef", [], 1e-4),
     "powersgd": ("powersgd", [], 1e-4),
