@@ -21,7 +21,6 @@ from fedapps.channel import latent_training, received_state, server_channel, set
 from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
                             uplink_kwargs)
 from fedapps.session import uplink_record
-from strategies import codec
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
 
 

@@ -48,6 +48,17 @@ def int4_blocks_nbytes(numel: int) -> int:
     return (numel + 1) // 2 + _TRAILER.size * (-(-numel // BLOCK))
 
 
+def _sized(data: bytes, numel, nbytes, label: str) -> tuple[bytes, int]:
+    """``(data, numel)`` once ``numel`` is a count and ``data`` has ``nbytes(numel)`` bytes; ValueError else."""
+    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
+        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+    data, numel = bytes(data), int(numel)
+    want = nbytes(numel)
+    if len(data) != want:
+        raise ValueError(f"{label} data for {numel} values must be {want} bytes, got {len(data)}")
+    return data, numel
+
+
 def _check_input(x) -> np.ndarray:
     arr = np.asarray(x)
     if arr.ndim != 1:
@@ -111,13 +122,7 @@ def unpack_int4(data: bytes, numel: int) -> np.ndarray:
     when the scale or zero point is not finite or the scale is negative, or when the
     padding nibble of an odd-length tensor is not zero.
     """
-    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
-        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
-    numel = int(numel)
-    data = bytes(data)
-    want = int4_nbytes(numel)
-    if len(data) != want:
-        raise ValueError(f"int4 data for {numel} values must be {want} bytes, got {len(data)}")
+    data, numel = _sized(data, numel, int4_nbytes, "int4")
     scale, zero = _TRAILER.unpack(data[-_TRAILER.size:])
     if not (np.isfinite(scale) and np.isfinite(zero)):
         raise ValueError(f"int4 scale/zero point must be finite, got scale={scale}, zero={zero}")
@@ -183,13 +188,7 @@ def pack_int4_blocks(x, rng: np.random.Generator | None = None) -> bytes:
 def unpack_int4_blocks(data: bytes, numel: int) -> np.ndarray:
     """Inverse of :func:`pack_int4_blocks`; ``ValueError`` for a wrong length, a scale or zero
     point that is not finite, a negative scale, or a non-zero padding nibble."""
-    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
-        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
-    numel = int(numel)
-    data = bytes(data)
-    want = int4_blocks_nbytes(numel)
-    if len(data) != want:
-        raise ValueError(f"block-wise int4 data for {numel} values must be {want} bytes, got {len(data)}")
+    data, numel = _sized(data, numel, int4_blocks_nbytes, "block-wise int4")
     nibbles = (numel + 1) // 2
     pairs = np.frombuffer(data[nibbles:], dtype="<f4").reshape(-1, 2)
     scale, zero = pairs[:, 0].astype(np.float32), pairs[:, 1].astype(np.float32)

@@ -35,6 +35,13 @@ def train_round(cfg, strategy, server_round: int, nodes: dict) -> list[Message]:
     return replies
 
 
+def evaluate_round(cfg, strategy, server_round: int, nodes: dict) -> dict:
+    """The strategy's aggregate of every node's evaluation of its current downlink."""
+    replies = [client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", server_round, node), ctx)
+               for node, ctx in nodes.items()]
+    return strategy.aggregate_evaluate(server_round, replies)
+
+
 def fake_pool(folder, model) -> str:
     """A SmartFed pool holding one LoRA adapter on q/v of the tiny Llama (as a LoRA run leaves it)."""
     from clients.adapters import apply_lora

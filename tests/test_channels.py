@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-from inprocess import context, fake_pool, message, train_round
+from inprocess import context, evaluate_round, fake_pool, train_round
 from omegaconf import OmegaConf
 
-from fedapps import client_app, registry
+from fedapps import registry
 from fedapps.channel import CHANNELS, ChannelError, latent_training, round_factors, server_channel, settings_of
 from fedapps.config import ConfigError, choices, compose, to_yaml
 from strategies import codec
@@ -202,18 +202,13 @@ def test_fednl_learns_through_a_648_byte_latent_channel():
     strategy = registry.get("fednl").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
     nodes = {1: context(1), 2: context(2)}
 
-    def evaluate(server_round):
-        replies = [client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", server_round, v), c)
-                   for v, c in nodes.items()]
-        return strategy.aggregate_evaluate(server_round, replies)["loss"]
-
-    losses = [evaluate(0)]
+    losses = [evaluate_round(cfg, strategy, 0, nodes)["loss"]]
     gates = strategy.global_state[next(k for k in strategy.global_state if k.endswith("fednl_gate"))].copy()
     for server_round in (1, 2, 3):
         replies = train_round(cfg, strategy, server_round, nodes)
         assert [codec.payload_bytes(r.content["arrays"]) for r in replies] == [648, 648]  # 1,280 int4 latents
         strategy.aggregate_train(server_round, replies)
-        losses.append(evaluate(server_round))
+        losses.append(evaluate_round(cfg, strategy, server_round, nodes)["loss"])
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.03, losses
     # the meta-rules moved, the gate among them: θ is trained through the latents only
     assert not np.array_equal(gates, strategy.global_state[next(k for k in strategy.global_state
@@ -310,18 +305,13 @@ def test_fedavg_lora_learns_with_latents_both_ways():
     strategy = registry.get("fedavg-lora").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
     nodes = {1: context(1), 2: context(2)}
 
-    def evaluate(server_round):
-        replies = [client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", server_round, v), c)
-                   for v, c in nodes.items()]
-        return strategy.aggregate_evaluate(server_round, replies)["loss"]
-
-    losses = [evaluate(0)]
+    losses = [evaluate_round(cfg, strategy, 0, nodes)["loss"]]
     for server_round in (1, 2, 3):
         assert codec.payload_bytes(strategy.downlink_arrays()) == 648 * (server_round - 1)
         replies = train_round(cfg, strategy, server_round, nodes)
         assert [codec.payload_bytes(r.content["arrays"]) for r in replies] == [648, 648]
         strategy.aggregate_train(server_round, replies)
-        losses.append(evaluate(server_round))
+        losses.append(evaluate_round(cfg, strategy, server_round, nodes)["loss"])
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.03, losses
 
 
