@@ -1,0 +1,218 @@
+"""Onboarding a new domain: SmartFed from a knowledge pool vs FedAvg-LoRA from scratch, over seeds.
+
+    .venv/bin/python bench/onboarding.py                        # SmolLM2, 3 seeds (~8 min a seed on 2 cores)
+    .venv/bin/python bench/onboarding.py --model tiny-llama --seeds 1 --rounds 2 --steps 2 \\
+        --pool-sources shakespeare-histories --pool-rounds 1 --pool-steps 2 --out /tmp/onboarding-smoke
+
+The scenario of SmartFed's seed: a federation has fine-tuned LoRA adapters on its domains
+(here: ``postcard pool build`` runs one short federated LoRA fine-tuning per
+``--pool-sources`` entry and adds its adapter to a pool, exactly what ``postcard pool add
+RUN`` does for a finished run); clients with a *new* domain (``--task``, whose data the
+script checks is not in the pool) then join. SmartFed starts from the pool's experts,
+FedAvg-LoRA from scratch; both get the same clients, rounds, local steps, learning rate
+and seed, repeated for ``--seeds`` seeds from 42 (the seed draws the clients' data order,
+the LoRA init and the router; the pool is built once, with seed 42).
+
+Reported (``OUT/onboarding.md``, ``.json``, ``.png``): per method the metric by round
+(mean over seeds), and for each target (``--targets``; default: the metric FedAvg-LoRA
+reaches halfway through, averaged over seeds) the rounds and the cumulative uplink bytes
+per client until the federated model first reaches it (seeds that never reach it are
+counted as not reached), with the paired difference over seeds. The runs are
+``bench/smartfed.py``'s (same pool builder, same unseen-data check, same simulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from postcard import pool as pool_cli  # noqa: E402
+from fedapps.config import compose  # noqa: E402
+from smartfed import HIGHER_IS_BETTER, check_unseen, first_round_reaching, run_one  # noqa: E402 (bench/smartfed.py)
+
+METHODS = ("fedavg-lora", "smartfed")
+
+
+def mean_interval(values: list[float]) -> tuple[float, float | None]:
+    """Mean and the half-width of its 95% t-interval (None for one value)."""
+    from scipy import stats
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)))
+
+
+def fmt(value: float, half: float | None, digits: int = 2) -> str:
+    return f"{value:,.{digits}f}" + ("" if half is None else f" ± {half:,.{digits}f}")
+
+
+def reaching(run: dict, goal: float, higher: bool) -> tuple[int | None, float | None]:
+    """The first round whose federated metric reaches ``goal`` and the uplink bytes per client until then."""
+    first = first_round_reaching(run["metric_by_round"], goal, higher)
+    return first, (None if first is None else run["cumulative_uplink_bytes"][str(first)])
+
+
+def default_targets(seeds: dict, rounds: int) -> list[float]:
+    """FedAvg-LoRA's metric halfway through the runs, averaged over seeds."""
+    halfway = str(max(1, rounds // 2))
+    return [statistics.fmean(runs["fedavg-lora"]["metric_by_round"][halfway] for runs in seeds.values())]
+
+
+def report(results: dict) -> str:
+    metric, higher = results["metric"], HIGHER_IS_BETTER.get(results["metric"], True)
+    seeds = results["seeds"]
+    n = len(seeds)
+    lines = [
+        f"# Onboarding a new domain: SmartFed from a pool vs FedAvg-LoRA from scratch ({results['target']}, "
+        f"{results['model']})",
+        "",
+        f"Made by: `{results['command']}` ({results['date']}, {results['wall_minutes']:.1f} min wall).",
+        "",
+        f"Pool: {', '.join(results['pool_adapters'])} ({results['pool']}); the target's data "
+        f"({results['target_data']}) is in none of them. {results['clients']} clients, {results['rounds']} rounds × "
+        f"{results['steps']} local steps, lr {results['lr']}, seeds {', '.join(seeds)} (n = {n}; ± = 95% "
+        "t-interval over seeds).",
+        "",
+        f"## {metric} by round (mean over seeds)",
+        "",
+        "| round | " + " | ".join(METHODS) + " |",
+        "|---|" + "---:|" * len(METHODS),
+    ]
+    for r in range(results["rounds"] + 1):
+        cells = [fmt(*mean_interval([runs[m]["metric_by_round"][str(r)] for runs in seeds.values()]))
+                 for m in METHODS]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    for goal in results["targets"]:
+        lines += ["", f"## Until {metric} {'≥' if higher else '≤'} {goal:.4g}", "",
+                  "| | " + " | ".join(METHODS) + " | smartfed − fedavg-lora, paired |", "|---|---:|---:|---:|"]
+        reached = {m: [reaching(runs[m], goal, higher) for runs in seeds.values()] for m in METHODS}
+        for label, index, digits in (("rounds", 0, 1), ("uplink bytes per client", 1, 0)):
+            cells = []
+            for m in METHODS:
+                hit = [v[index] for v in reached[m] if v[0] is not None]
+                text = fmt(*mean_interval(hit), digits) if hit else "–"
+                cells.append(f"{text} ({len(hit)}/{n} seeds reached it)")
+            pairs = [s[index] - f[index] for s, f in zip(reached["smartfed"], reached["fedavg-lora"])
+                     if s[0] is not None and f[0] is not None]
+            cells.append(fmt(*mean_interval(pairs), digits) + f" (n = {len(pairs)})" if pairs else "–")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "![metric by round, every seed](onboarding.png)", "",
+              "Uplink bytes per client and round: " + ", ".join(
+                  f"{m} {statistics.fmean(runs[m]['uplink_bytes_per_client_round'] for runs in seeds.values()):,.0f}"
+                  for m in METHODS) + ".", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for method, colour in zip(METHODS, ("tab:blue", "tab:orange")):
+        for i, runs in enumerate(results["seeds"].values()):
+            values = runs[method]["metric_by_round"]
+            rounds = sorted(values, key=int)
+            ax.plot([int(r) for r in rounds], [values[r] for r in rounds], color=colour, alpha=0.7, marker="o",
+                    label=method if i == 0 else None)
+    for goal in results["targets"]:
+        ax.axhline(goal, color="grey", linestyle="--", linewidth=1)
+    ax.set(xlabel="round", ylabel=results["metric"], title=f"{results['target']}: a new domain joins")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--task", default="shakespeare", help="the new domain (its data must not be in the pool)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="local steps per client per round")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds 42..42+N-1 (a random-init model, e.g. tiny-llama, is its seed: 1 only)")
+    parser.add_argument("--targets", type=float, nargs="+", default=None,
+                        help="metric values to reach (default: FedAvg-LoRA's mean metric halfway through)")
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--pool", default=None, help="pool folder (default: RUNS_DIR/pool-<model>)")
+    parser.add_argument("--pool-sources", default="shakespeare-histories,shakespeare-comedies,mmlu-stem")
+    parser.add_argument("--pool-rounds", type=int, default=2)
+    parser.add_argument("--pool-steps", type=int, default=10)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "onboarding"))
+    parser.add_argument("--runs-dir", default=None,
+                        help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-onboarding/)")
+    args, extra = parser.parse_known_args(argv)
+    extra = [e for e in extra if e != "--"]
+    for name in ("rounds", "clients", "steps", "seeds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+
+    start = time.time()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(args.runs_dir or Path(os.environ.get("POSTCARD_OUTPUTS") or ROOT / "outputs") / "bench-onboarding")
+    runs_dir = runs_dir.expanduser().resolve()
+    common = [f"model={args.model}", f"output_dir={runs_dir}"]
+
+    sources = [s for s in args.pool_sources.split(",") if s]
+    pool_path = Path(args.pool).expanduser().resolve() if args.pool else runs_dir / f"pool-{args.model}"
+    pool_cli.build(sources, [*common, "seed=42", f"rounds={args.pool_rounds}", f"train.local_steps={args.pool_steps}",
+                             f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}"], pool=pool_path)
+    run = [*common, f"task={args.task}", f"rounds={args.rounds}", f"num_clients={args.clients}",
+           f"train.local_steps={args.steps}", f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}", *extra]
+    target = compose(run)
+    if target.model.get("random_init") and args.seeds > 1:
+        parser.error(f"model {args.model} is a random init drawn from the seed: the pool's adapters fit seed 42 "
+                     "only (--seeds 1)")
+    held = check_unseen(pool_path, target)
+    smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]"]
+
+    seeds: dict[str, dict] = {}
+    for seed in range(42, 42 + args.seeds):
+        seeds[str(seed)] = {
+            "fedavg-lora": run_one("fedavg-lora", [*run, f"seed={seed}", f"run_name=onboarding-fedavg-lora-s{seed}"]),
+            "smartfed": run_one("smartfed", [*run, *smartfed, f"seed={seed}", f"run_name=onboarding-smartfed-s{seed}"]),
+        }
+        for runs in seeds[str(seed)].values():
+            runs.pop("smartfed_rounds", None)
+    metric = seeds["42"]["fedavg-lora"]["metric"]
+    data = {k: list(v) for k, v in (("plays", target.task.get("plays")),
+                                     ("categories", target.task.get("categories"))) if v}
+    results = {
+        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/onboarding.py",
+                                                      *(sys.argv[1:] if argv is None else argv)]),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "wall_minutes": (time.time() - start) / 60,
+        "model": args.model, "target": args.task, "target_data": json.dumps(data), "rounds": args.rounds,
+        "clients": args.clients, "steps": args.steps, "lr": args.lr, "pool": str(pool_path), "pool_adapters": held,
+        "metric": metric, "targets": args.targets or default_targets(seeds, args.rounds), "seeds": seeds,
+    }
+    (out / "onboarding.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out / "onboarding.png")
+    text = report(results)
+    (out / "onboarding.md").write_text(text)
+    print(text)
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
