@@ -1,0 +1,49 @@
+"""bench/onboarding.py's arithmetic: rounds and bytes to a target, seeds that never reach it, the paired difference."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import onboarding  # noqa: E402
+
+
+def run(ppl, per_round):
+    return {"metric_by_round": {str(r): v for r, v in enumerate(ppl)},
+            "cumulative_uplink_bytes": {str(r): r * per_round for r in range(len(ppl))},
+            "uplink_bytes_per_client_round": per_round}
+
+
+def results(targets=None):
+    seeds = {"42": {"fedavg-lora": run([60, 45, 38, 34], 1000), "smartfed": run([48, 41, 39, 36], 300)},
+             "43": {"fedavg-lora": run([60, 47, 40, 35], 1000), "smartfed": run([49, 44, 43, 43], 300)}}
+    return {"metric": "perplexity", "seeds": seeds, "rounds": 3, "clients": 2, "steps": 1, "lr": 1e-3,
+            "target": "shakespeare", "model": "tiny", "command": "x", "date": "d", "wall_minutes": 1.0,
+            "pool": "p", "pool_adapters": ["a"], "target_data": "{}",
+            "targets": targets or onboarding.default_targets(seeds, 3)}
+
+
+def test_rounds_and_bytes_to_a_target():
+    assert onboarding.reaching(run([60, 45, 38, 34], 1000), 40, higher=False) == (2, 2000)
+    assert onboarding.reaching(run([60, 45, 38, 34], 1000), 30, higher=False) == (None, None)
+    assert onboarding.reaching(run([0.2, 0.5], 10), 0.4, higher=True) == (1, 10)
+    # round 0 never counts: the target is something training reaches
+    assert onboarding.reaching(run([30, 45], 10), 40, higher=False) == (None, None)
+
+
+def test_default_target_is_fedavg_loras_mean_halfway():
+    assert results()["targets"] == [pytest.approx((45 + 47) / 2)]
+
+
+def test_report_counts_unreached_seeds_and_pairs_only_seeds_both_reached():
+    text = onboarding.report(results(targets=[42.0]))
+    # fedavg-lora reaches 42 in round 2 with both seeds; smartfed in round 1 (seed 42) and never (seed 43)
+    assert "| rounds | 2.0 ± 0.0 (2/2 seeds reached it) | 1.0 (1/2 seeds reached it) | -1.0 (n = 1) |" in text
+    assert "| uplink bytes per client | 2,000 ± 0 (2/2 seeds reached it) | 300 (1/2 seeds reached it) " \
+           "| -1,700 (n = 1) |" in text
+    assert onboarding.mean_interval([1.0, 3.0]) == (2.0, pytest.approx(12.706204736, rel=1e-6))
