@@ -57,6 +57,9 @@ def memory_probe(config_path: str, downlink_path: str | None, steps: int) -> dic
         from fedapps.smartfed import more_config
 
         load_mixture(model, load_file(downlink_path), more_config(cfg))
+    from clients.train import place_model
+
+    model = place_model(model, torch.device("cpu"), frozen_bf16=bool(cfg.train.get("frozen_bf16", False)))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     backbone_kb = _status_kb("VmRSS")
     _reset_peak()

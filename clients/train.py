@@ -6,7 +6,7 @@ Device placement (used by ``fedapps.session`` once per client process):
 ``bf16``, marks it for bfloat16 autocast; :func:`place_task` makes the task's batches
 land on the same device. :func:`local_train` and :func:`evaluate` run their forward
 passes under that autocast. On CPU nothing is moved or marked, so CPU runs are exactly
-what they were.
+what they were, unless ``train.frozen_bf16`` stores the frozen backbone in bfloat16.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-AUTOCAST_ATTR = "_postcard_autocast_dtype"  # set by place_model on CUDA models
+AUTOCAST_ATTR = "_postcard_autocast_dtype"  # set by place_model (CUDA with bf16, or frozen_bf16)
 
 
 class TrainingError(RuntimeError):
@@ -55,14 +55,24 @@ def model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-def place_model(model, device: torch.device, *, bf16: bool = True):
+def place_model(model, device: torch.device, *, bf16: bool = True, frozen_bf16: bool = False):
     """Move ``model`` to ``device`` once; on CUDA with ``bf16`` (and hardware support), mark
     it so that :func:`local_train` / :func:`evaluate` autocast its forward passes to bfloat16.
-    Weights, optimiser state and payloads stay float32."""
+    Weights, optimiser state and payloads stay float32.
+
+    ``frozen_bf16`` (CPU or CUDA): every parameter that does not train (the backbone) is
+    stored in bfloat16 — about half the model's memory — and the forward passes run under
+    bfloat16 autocast; what trains (adapters, latents, experts, FedNL's memory) stays fp32.
+    Without it a CPU model is untouched (bit-identical to the unplaced model)."""
+    if frozen_bf16:
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(torch.bfloat16)
     if device.type == "cpu":
-        return model  # CPU: untouched (bit-identical to the unplaced model)
+        setattr(model, AUTOCAST_ATTR, torch.bfloat16 if frozen_bf16 else None)
+        return model
     model = model.to(device)
-    use_bf16 = bool(bf16) and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    use_bf16 = (bool(bf16) or frozen_bf16) and device.type == "cuda" and torch.cuda.is_bf16_supported()
     setattr(model, AUTOCAST_ATTR, torch.bfloat16 if use_bf16 else None)
     return model
 
@@ -94,10 +104,9 @@ def place_task(task, device: torch.device):
 def autocast(model):
     """bfloat16 autocast for a model :func:`place_model` marked; a no-op context otherwise."""
     dtype = getattr(model, AUTOCAST_ATTR, None)
-    device = model_device(model)
-    if dtype is None or device.type != "cuda":
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=dtype)
+    return torch.autocast(device_type=model_device(model).type, dtype=dtype)
 
 
 @contextlib.contextmanager

@@ -144,7 +144,8 @@ def session(cfg, context: Context, prepare: Callable[[object], tuple]) -> Sessio
         _TASKS.clear()
         device = select_device(cfg.train.get("device", "auto"))
         model, tokenizer, extra = prepare(cfg)
-        model = place_model(model, device, bf16=bool(cfg.train.get("bf16", True)))  # moved once per process
+        model = place_model(model, device, bf16=bool(cfg.train.get("bf16", True)),  # moved once per process
+                            frozen_bf16=bool(cfg.train.get("frozen_bf16", False)))
         _MODELS[run_key] = (model, tokenizer, extra, device)
     model, tokenizer, extra, device = _MODELS[run_key]
     if (run_key, pid, n) not in _TASKS:
