@@ -213,8 +213,8 @@ class PayloadFedAvg(FedAvg):
     def global_arrays(self) -> ArrayRecord:
         """The whole global state as fp32 (what ``aggregate_train`` returns, as Flower's strategies
         do): the downlink itself when that is the same record, so it is encoded once."""
-        if self.downlink_format == "fp32" and self.uplink_keys == sorted(self.global_state) and not self.latent_downlink \
-                and type(self).encode_downlink is PayloadFedAvg.encode_downlink:
+        if self.downlink_format == "fp32" and self.uplink_keys == sorted(self.global_state) \
+                and not self.latent_downlink and type(self).encode_downlink is PayloadFedAvg.encode_downlink:
             return self.downlink_arrays()
         return codec.encode(self.global_state, "fp32")
 
