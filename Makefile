@@ -94,14 +94,16 @@ bench: assets
 	$(PY) bench/baseline_bytes.py
 	$(PY) bench/fuzz_table.py
 	$(PY) bench/flite.py
-	$(PY) bench/flite.py --base public --seeds 3 --methods flite-int4 fedavg-full flite-fp32 fedavg-lora \
-		--runs outputs/bench-flite-near --out docs/bench/flite-near
+	$(PY) bench/flite.py --base public --seeds 5 --methods flite-int4 fedavg-full full-latent-int4 flite-fp32 \
+		fedavg-lora --runs outputs/bench-flite-near --out docs/bench/flite-near
 	$(PY) bench/wire_bytes.py
 	$(PY) bench/secagg.py
 	$(PY) bench/privacy.py
 	$(PY) bench/channels.py
 	$(PY) bench/overhead.py
 	$(PY) bench/lm_memory.py
+	$(PY) bench/lm_memory.py --methods smartfed --variants bf16 bf16+ckpt --seq-len 128 --out docs/bench/lm_memory-bf16
+	$(PY) bench/onboarding.py
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-int4 --out docs/bench/smartfed-int4
