@@ -69,7 +69,8 @@ def place_model(model, device: torch.device, *, bf16: bool = True, frozen_bf16: 
             if not param.requires_grad and param.is_floating_point():
                 param.data = param.data.to(torch.bfloat16)
     if device.type == "cpu":
-        setattr(model, AUTOCAST_ATTR, torch.bfloat16 if frozen_bf16 else None)
+        if frozen_bf16:
+            setattr(model, AUTOCAST_ATTR, torch.bfloat16)
         return model
     model = model.to(device)
     use_bf16 = (bool(bf16) or frozen_bf16) and device.type == "cuda" and torch.cuda.is_bf16_supported()
