@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from postcard import pool as pool_cli  # noqa: E402
 from fedapps.config import compose  # noqa: E402
-from smartfed import HIGHER_IS_BETTER, check_unseen, first_round_reaching, run_one  # noqa: E402 (bench/smartfed.py)
+from smartfed import (HIGHER_IS_BETTER, check_unseen, first_round_reaching, run_one,  # noqa: E402 (bench/smartfed.py)
+                      write_outputs)
 
 METHODS = ("fedavg-lora", "smartfed")
 
@@ -204,13 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "clients": args.clients, "steps": args.steps, "lr": args.lr, "pool": str(pool_path), "pool_adapters": held,
         "metric": metric, "targets": args.targets or default_targets(seeds, args.rounds), "seeds": seeds,
     }
-    (out / "onboarding.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, out / "onboarding.png")
-    text = report(results)
-    (out / "onboarding.md").write_text(text)
-    print(text)
-    print(f"results in {out}")
-    return 0
+    return write_outputs(out, "onboarding", results, plot, report)
 
 
 if __name__ == "__main__":

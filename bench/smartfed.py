@@ -303,10 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         "pool": str(pool_path), "pool_adapters": held, "metric": metric,
         "runs": results_runs, "memory": memory,
     }
-    (out / "smartfed.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, out / "smartfed.png")
-    text = report(results)
-    (out / "smartfed.md").write_text(text)
+    return write_outputs(out, "smartfed", results, plot, report)
+
+
+def write_outputs(out: Path, name: str, results: dict, plot_fn, report_fn) -> int:
+    """``OUT/<name>.json``, ``.png`` and ``.md`` (printed too) of a benchmark's results."""
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot_fn(results, out / f"{name}.png")
+    text = report_fn(results)
+    (out / f"{name}.md").write_text(text)
     print(text)
     print(f"results in {out}")
     return 0
