@@ -250,6 +250,16 @@ def gap_interval(method_runs: list[dict], ref_runs: list[dict]) -> tuple[float, 
 
 
 # ---------------------------------------------------------------------------- report
+def verdict(gap: float, interval: tuple[float, float, float] | None, margin: float = -1.0) -> str:
+    """Non-inferiority at ``margin`` pp: met only when the whole 95% interval lies above it."""
+    if interval is not None and interval[1] >= margin:
+        return "met"
+    if gap >= margin:
+        return ("not shown: the point estimate is within the margin, the interval reaches "
+                f"{interval[1]:+.1f} pp" if interval is not None else "not shown: one seed, the point estimate is within")
+    return "not met"
+
+
 def fmt_bytes(value: float) -> str:
     for unit, size in (("MB", 1e6), ("kB", 1e3)):
         if value >= size:
@@ -317,7 +327,7 @@ def report(results: dict, command: str, machine: str) -> str:
             ci = (f" (paired over {paired} seeds: 95% interval {interval[1]:+.1f} to "
                   f"{interval[2]:+.1f} pp)") if interval else " (one seed: no interval)"
             verdicts.append(f"- {label}: {method} is {gap:+.1f} pp from {REFERENCE}{ci} (target ≥ −1 pp: "
-                            f"**{'met' if gap >= -1 else 'not met'}**) at {ratio:,.0f}× fewer uplink bytes "
+                            f"**{verdict(gap, interval)}**) at {ratio:,.0f}× fewer uplink bytes "
                             f"(target ≥ 10,000×: **{'met' if ratio >= 10_000 else 'not met'}**).")
     if verdicts:
         lines += ["## Targets", "", *verdicts, ""]
