@@ -33,7 +33,7 @@ REPORTS = (
     ("FLITE vs compressed-update baselines (CIFAR-10)", DOCS / "bench" / "flite" / "flite.md",
      "bench/flite.py", None),
     ("FLITE from a task-pretrained base (near regime, CIFAR-10)", DOCS / "bench" / "flite-near" / "flite.md",
-     "bench/flite.py --base public --seeds 3 ... --out docs/bench/flite-near (see Makefile)", None),
+     "bench/flite.py --base public --seeds 5 ... --out docs/bench/flite-near (see Makefile; made in parts: docs/flite.md)", None),
     ("A FLITE reply on the wire", DOCS / "bench" / "wire_bytes.md", "bench/wire_bytes.py", None),
     ("Causal-LM client memory: full logits vs the chunked output layer", DOCS / "bench" / "lm_memory" / "lm_memory.md",
      "bench/lm_memory.py", None),
