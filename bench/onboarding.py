@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from postcard import pool as pool_cli  # noqa: E402
 from fedapps.config import compose  # noqa: E402
-from smartfed import (HIGHER_IS_BETTER, check_unseen, first_round_reaching, run_one,  # noqa: E402 (bench/smartfed.py)
-                      write_outputs)
+from smartfed import (HIGHER_IS_BETTER, add_run_arguments, check_unseen, first_round_reaching,  # noqa: E402
+                      run_one, write_outputs)  # (bench/smartfed.py)
 
 METHODS = ("fedavg-lora", "smartfed")
 
@@ -142,21 +142,11 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--task", default="shakespeare", help="the new domain (its data must not be in the pool)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="local steps per client per round")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    add_run_arguments(parser)
     parser.add_argument("--seeds", type=int, default=3,
                         help="seeds 42..42+N-1 (a random-init model, e.g. tiny-llama, is its seed: 1 only)")
     parser.add_argument("--targets", type=float, nargs="+", default=None,
                         help="metric values to reach (default: FedAvg-LoRA's mean metric halfway through)")
-    parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--pool", default=None, help="pool folder (default: RUNS_DIR/pool-<model>)")
-    parser.add_argument("--pool-sources", default="shakespeare-histories,shakespeare-comedies,mmlu-stem")
-    parser.add_argument("--pool-rounds", type=int, default=2)
-    parser.add_argument("--pool-steps", type=int, default=10)
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "onboarding"))
     parser.add_argument("--runs-dir", default=None,
                         help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-onboarding/)")

@@ -216,22 +216,27 @@ def run_one(name: str, overrides: list[str]) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def add_run_arguments(parser) -> None:
+    """The options the SmartFed benchmarks share: model, target task, run size, pool."""
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--task", default="shakespeare", help="target task (its data must not be in the pool)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="local steps per client per round")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--pool", default=None,
                         help="pool folder (default: RUNS_DIR/pool-<model>, built with this script's settings)")
     parser.add_argument("--pool-sources", default="shakespeare-histories,shakespeare-comedies,mmlu-stem")
     parser.add_argument("--pool-rounds", type=int, default=2)
     parser.add_argument("--pool-steps", type=int, default=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_run_arguments(parser)
+    parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--budget-per-matrix", type=float, default=None, help="SmartFed budget (default: config's)")
     parser.add_argument("--mode", default="experts+router", choices=["experts+router", "router-only"])
     parser.add_argument("--smartfed-overrides", default="",
