@@ -164,6 +164,16 @@ def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], 
     return out
 
 
+@functools.lru_cache(maxsize=2)
+def cached_factors(settings: LatentSettings, shapes: tuple, server_round: int):
+    """:func:`round_factors` of ``shapes`` (sorted ``(name, shape)`` pairs), made once per process and
+    round: one Ray actor trains several nodes in a round, and a client that replays a latent downlink
+    needs the factors its training of that round already made (read-only: parametrizations hold them
+    as buffers)."""
+    shapes = dict(shapes)
+    return round_factors(settings, shapes, allocate(shapes, settings), server_round)
+
+
 def channel_factory(cfg):
     """``shapes -> LatentChannel`` for this run's latent channel (None when off): a strategy whose
     federated tensors change from round to round (SmartFed's active experts) builds one per round."""
@@ -176,8 +186,8 @@ def channel_factory(cfg):
         latents = allocate(shapes, settings)
 
         def factors(server_round: int):
-            return {k: tuple(t.numpy() for t in f) for k, f in round_factors(settings, shapes, latents,
-                                                                              server_round).items()}
+            made = cached_factors(settings, tuple(sorted(shapes.items())), server_round)
+            return {k: tuple(t.numpy() for t in f) for k, f in made.items()}
 
         return LatentChannel(shapes, latents, factors, downlink=settings.downlink,
                              downlink_format=settings.downlink_format)
@@ -243,14 +253,6 @@ class LatentDelta(nn.Module):
         return received + ((self.A * s) @ self.B).reshape(self.shape).to(received.dtype)
 
 
-@functools.lru_cache(maxsize=2)
-def _client_factors(settings: LatentSettings, shapes: tuple, server_round: int):
-    """A round's factors, made once per process: one Ray actor trains several nodes in the same round
-    (read-only: the parametrizations hold them as buffers)."""
-    shapes = dict(shapes)
-    return round_factors(settings, shapes, allocate(shapes, settings), server_round)
-
-
 class LatentRun:
     """One round's latents on a client: attached by :func:`latent_training`, read after it."""
 
@@ -279,8 +281,8 @@ def latent_training(call, model: nn.Module, names: list[str]):
         yield None
         return
     params = dict(model.named_parameters())
-    factors = _client_factors(settings, tuple((n, tuple(params[n].shape)) for n in sorted(names)),
-                              int(call.server_round))
+    factors = cached_factors(settings, tuple((n, tuple(params[n].shape)) for n in sorted(names)),
+                             int(call.server_round))
     run, attached = LatentRun(), []
     try:
         for name in sorted(names):
