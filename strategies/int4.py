@@ -71,32 +71,11 @@ def _check_input(x) -> np.ndarray:
     return arr
 
 
-def _scale_zero(arr: np.ndarray) -> tuple[np.float32, np.float32]:
-    if arr.size == 0:
-        return np.float32(0.0), np.float32(0.0)
-    lo = float(arr.min())
-    hi = float(arr.max())
-    return np.float32((hi - lo) / (LEVELS - 1)), np.float32(lo)
-
-
 def int4_step(x) -> float:
     """The quantisation step (fp32 ``scale``) :func:`pack_int4` uses for ``x``: the
     round-trip error bound is half of it."""
-    return float(_scale_zero(_check_input(x))[0])
-
-
-def _quantise(arr: np.ndarray, scale: np.float32, zero: np.float32, rng: np.random.Generator | None = None) -> np.ndarray:
-    if scale == 0:
-        return np.zeros(arr.shape, dtype=np.uint8)
-    t = (arr.astype(np.float64) - float(zero)) / float(scale)
-    q = np.rint(t) if rng is None else np.floor(t + rng.random(t.shape))
-    return np.clip(q, 0, LEVELS - 1).astype(np.uint8)
-
-
-def _dequantise(q: np.ndarray, scale: float, zero: float) -> np.ndarray:
-    out = float(zero) + q.astype(np.float64) * float(scale)
-    # The fp32 scale can round up, so the top level may sit past the float32 range by a hair.
-    return np.clip(out, -_F32_MAX, _F32_MAX).astype(np.float32)
+    arr = _check_input(x)
+    return float(_block_scales(arr, arr.size)[1][0]) if arr.size else 0.0
 
 
 def pack_int4(x, rng: np.random.Generator | None = None) -> bytes:
@@ -111,8 +90,10 @@ def pack_int4(x, rng: np.random.Generator | None = None) -> bytes:
     Raises ``ValueError`` for NaN/Inf, non-numeric or non-1-D input.
     """
     arr = _check_input(x)
-    scale, zero = _scale_zero(arr)
-    return _pack_nibbles(_quantise(arr, scale, zero, rng)) + _TRAILER.pack(float(scale), float(zero))
+    if not arr.size:
+        return _TRAILER.pack(0.0, 0.0)
+    rows, scale, zero = _block_scales(arr, arr.size)  # one block: the whole vector
+    return _pack_nibbles(_quantise_rows(rows, scale, zero, rng)[0]) + _TRAILER.pack(float(scale[0]), float(zero[0]))
 
 
 def unpack_int4(data: bytes, numel: int) -> np.ndarray:
@@ -128,7 +109,8 @@ def unpack_int4(data: bytes, numel: int) -> np.ndarray:
         raise ValueError(f"int4 scale/zero point must be finite, got scale={scale}, zero={zero}")
     if scale < 0:
         raise ValueError(f"int4 scale must be >= 0, got {scale}")
-    return _dequantise(_unpack_nibbles(data[: -_TRAILER.size], numel), scale, zero)
+    q = _unpack_nibbles(data[: -_TRAILER.size], numel)
+    return _dequantise_rows(q[None, :], np.float32([scale]), np.float32([zero]))[0]
 
 
 def _pack_nibbles(q: np.ndarray) -> bytes:
@@ -147,12 +129,12 @@ def _unpack_nibbles(data: bytes, numel: int) -> np.ndarray:
     return q[:numel]
 
 
-def _block_scales(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values padded to whole blocks as rows, each block's fp32 scale, its fp32 zero); the
-    padding repeats the last value, so it changes no block's range."""
-    pad = -arr.size % BLOCK
-    rows = np.concatenate([arr, np.full(pad, arr[-1], dtype=arr.dtype)]).reshape(-1, BLOCK) if arr.size else \
-        np.zeros((0, BLOCK), np.float32)
+def _block_scales(arr: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values padded to whole blocks of ``block`` as rows, each block's fp32 scale, its fp32 zero);
+    the padding repeats the last value, so it changes no block's range."""
+    pad = -arr.size % block
+    rows = np.concatenate([arr, np.full(pad, arr[-1], dtype=arr.dtype)]).reshape(-1, block) if arr.size else \
+        np.zeros((0, block), np.float32)
     lo, hi = rows.min(axis=1, initial=np.inf), rows.max(axis=1, initial=-np.inf)
     scale = ((hi.astype(np.float64) - lo) / (LEVELS - 1)).astype(np.float32)
     return rows, scale, lo.astype(np.float32)
@@ -205,5 +187,7 @@ def int4_roundtrip(x) -> np.ndarray:
     """``unpack_int4(pack_int4(x))`` without the bytes: what the receiver will see
     (e.g. for a client to keep its own state in sync with a quantised upload)."""
     arr = _check_input(x)
-    scale, zero = _scale_zero(arr)
-    return _dequantise(_quantise(arr, scale, zero), scale, zero)
+    if not arr.size:
+        return arr.copy()
+    rows, scale, zero = _block_scales(arr, arr.size)
+    return _dequantise_rows(_quantise_rows(rows, scale, zero, None), scale, zero)[0]
