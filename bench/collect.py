@@ -55,7 +55,7 @@ REPORTS = (
      "bench/privacy.py", None),
     ("Method × channel: bytes and the metric", DOCS / "bench" / "channels" / "channels.md", "bench/channels.py", None),
     ("Flower's share of a round: simulation vs deployment", DOCS / "bench" / "overhead" / "overhead.md",
-     "bench/overhead.py --quick", None),
+     "bench/overhead.py", None),
 )
 
 

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/overhead.py            # tiny model and SmolLM2, ~15 min on 2 cores
     .venv/bin/python bench/overhead.py --quick    # the tiny model only: a few minutes
+    .venv/bin/python bench/overhead.py --models smollm2 --modes deployment --out /tmp/part   # in parts ...
+    .venv/bin/python bench/overhead.py --modes simulation --merge /tmp/part/overhead.json    # ... one table
 
 Per configuration, ``--clients`` (5) clients run ``--rounds`` (2) rounds of fedavg-lora on
 Shakespeare (preset ``test`` for the tiny Llama, ``demo`` for SmolLM2), every client of a
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -83,21 +86,64 @@ def deployment(model: str, clients: int, rounds: int, out: Path) -> Path:
 
     overrides = " ".join([f"model={model}", f"num_clients={clients}", f"rounds={rounds}", "partition=iid",
                           f"run_name=deploy-{model}"])
+    before = set(out.glob(f"deploy-{model}*"))
+    cluster = out / f"cluster-{model}"  # kept: the SuperLink's and SuperNodes' logs (`flwr run` exits 0 on failure)
+    shutil.rmtree(cluster, ignore_errors=True)
     code = run_local(clients, f"algorithm='fedavg-lora' task='shakespeare' preset='{MODELS[model]}' "
-                              f"overrides='{overrides}'", out)
+                              f"overrides='{overrides}'", out, folder=cluster)
     if code:
         raise SystemExit(f"overhead: the deployment run of {model} failed (exit {code})")
-    return out / f"deploy-{model}"
+    new = sorted(set(out.glob(f"deploy-{model}*")) - before)  # a run folder's name gets -2, -3, ... when taken
+    if len(new) != 1:
+        raise SystemExit(f"overhead: expected one new run folder deploy-{model}* in {out}, found {new}")
+    return new[0]
+
+
+def merge(results: list[dict], parts: list) -> list[dict]:
+    """This run's rows plus the rows of earlier parts (``overhead.json`` files) that it did not
+    measure again (same model and mode: this run's row wins); refuses parts of another protocol."""
+    results = list(results)
+    for path in parts:
+        done = {(r["model"], r["mode"]) for r in results}
+        part = json.loads(Path(path).read_text())
+        results += [{"command": part.get("command"), **r} for r in part["results"] if (r["model"], r["mode"]) not in done]
+    protocols = {(r.get("clients"), r.get("rounds")) for r in results}
+    if len(protocols) > 1:
+        raise SystemExit(f"overhead: the parts have different (clients, rounds) {sorted(map(str, protocols))}; "
+                         "they do not make one table")
+    order = {m: i for i, m in enumerate(MODELS)}
+    return sorted(results, key=lambda r: (order.get(r["model"], 99), r["mode"] != "simulation"))
+
+
+def report(results: list[dict], clients: int, rounds: int) -> str:
+    commands = list(dict.fromkeys(f"`{r.get('command')}` ({r.get('date', '?')})" for r in results))
+    lines = ["# Flower's share of a round", "",
+             f"Made by {'; '.join(commands)} on {os.cpu_count()} CPU cores. fedavg-lora on Shakespeare, "
+             f"{clients} clients at once, {rounds} rounds; figures are the mean over rounds 2..{rounds} (round 1 also "
+             "starts Ray's actors). `client work`: the slowest client's whole work on its train message plus on its "
+             "evaluate message (ClientApp entry to reply); `setup`: the part of it outside the method (config, "
+             "session: the model built in a new process); `overhead` = round wall time − client work: Flower's "
+             "(and Ray's) messaging and process starts, and the server's aggregation.", "",
+             "| model | mode | round wall s | client work s | of which setup s | overhead s | overhead % of round |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['model']} | {r['mode']} | {r['wall']:.2f} | {r['client_work']:.2f} | {r['setup']:.2f} | "
+                     f"{r['overhead']:.2f} | {100 * r['overhead'] / r['wall']:.0f}% |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model only")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=["simulation", "deployment"], choices=["simulation", "deployment"])
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-overhead")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "overhead")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="OVERHEAD_JSON",
+                        help="overhead.json files of earlier parts (same clients and rounds): one table of all "
+                             "their rows and this run's, this run's replacing a part's row of the same model and mode")
     args = parser.parse_args(argv)
     command = "python bench/overhead.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     models = ["tiny-llama"] if args.quick else args.models
@@ -105,6 +151,8 @@ def main(argv=None) -> int:
     results = []
     for model in models:
         for mode, runner in (("simulation", simulation), ("deployment", deployment)):
+            if mode not in args.modes:
+                continue
             run_dir = runner(model, args.clients, args.rounds, args.runs.resolve())
             summary = json.loads((run_dir / "summary.json").read_text())
             if summary.get("status") != "completed":  # `flwr run` exits 0 for a failed run: say so, do not average
@@ -119,23 +167,13 @@ def main(argv=None) -> int:
             print(f"[overhead] {model} {mode}: round {r['wall']:.1f} s, slowest client's work {r['client_work']:.1f} s "
                   f"(setup {r['setup']:.1f} s), overhead {r['overhead']:.1f} s = {100 * r['overhead'] / r['wall']:.0f}%",
                   flush=True)
-    lines = ["# Flower's share of a round", "",
-             f"Made by `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, "
-             f"{(time.time() - started) / 60:.0f} min). fedavg-lora on Shakespeare, {args.clients} clients at once, "
-             f"{args.rounds} rounds; figures are the mean over rounds 2..{args.rounds} (round 1 also starts Ray's actors). "
-             "`client work`: the slowest client's whole work on its train message plus on its evaluate message "
-             "(ClientApp entry to reply); `setup`: the part of it outside the method (config, session: the model "
-             "built in a new process); `overhead` = round wall time − client work: Flower's (and Ray's) messaging "
-             "and process starts, and the server's aggregation.", "",
-             "| model | mode | round wall s | client work s | of which setup s | overhead s | overhead % of round |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['model']} | {r['mode']} | {r['wall']:.2f} | {r['client_work']:.2f} | {r['setup']:.2f} | "
-                     f"{r['overhead']:.2f} | {100 * r['overhead'] / r['wall']:.0f}% |")
+    stamp = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "clients": args.clients,
+             "rounds": args.rounds, "minutes": round((time.time() - started) / 60, 1)}
+    results = merge([{**r, **stamp} for r in results], args.merge)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.md").write_text("\n".join(lines) + "\n")
+    (args.out / "overhead.md").write_text(report(results, args.clients, args.rounds))
     (args.out / "overhead.json").write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n")
-    print("\n".join(lines))
+    print(report(results, args.clients, args.rounds))
     return 0
 
 

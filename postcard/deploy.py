@@ -28,6 +28,7 @@ import datetime as dt
 import ipaddress
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -284,11 +285,23 @@ class LoopbackCluster:
     working directory, database and ``FLWR_HOME``), ``cli/`` (the ``flwr`` CLI's
     ``FLWR_HOME`` with the connection ``postcard-local``), ``node-<i>/`` (each SuperNode's
     ``FLWR_HOME``) and ``logs/``. Use it as a context manager, or call :meth:`stop`.
+
+    ``supernode_nice``: the SuperNodes (and the ClientApp processes they start) run at this
+    CPU niceness, so that on one machine the SuperLink keeps the CPU it would have on a
+    machine of its own. Without it, five SmolLM2 clients on two cores starve the SuperLink
+    until a database write waits past SQLite's 5 s lock timeout and Flower answers
+    ``500 database is locked`` (docs/deploy.md §8). 0 runs them as the SuperLink runs.
+
+    ``persistent``: the SuperLink keeps its state in ``superlink/state.db`` (runs and
+    registered keys survive a restart of it, as ``--database`` does in a real deployment);
+    False keeps it in memory, Flower's default, which no lock timeout can stop.
     """
 
     folder: Path
     nodes: int = 3
     node_config: str = ""  # extra node-config entries for every node, e.g. "device='cpu'"
+    supernode_nice: int = 10
+    persistent: bool = True
     port: int = 0
     superlink: subprocess.Popen | None = None
     members: list[Node] = field(default_factory=list)
@@ -334,7 +347,7 @@ class LoopbackCluster:
             "--ssl-keyfile", str(self.certs[SERVER_KEY]),
             "--enable-supernode-auth",
             "--host", LOOPBACK, "--port", str(self.port),
-            "--database", str(home / "state.db"),
+            *(["--database", str(home / "state.db")] if self.persistent else []),
             "--disable-runtime-dependency-installation",
         ]
         # the ServerApp runs in the SuperLink's working directory (run folders use absolute paths anyway)
@@ -355,7 +368,9 @@ class LoopbackCluster:
         """Start one ``flower-supernode`` (TLS, authenticated with ``key``); returns its process."""
         home.mkdir(parents=True, exist_ok=True)
         handle = open(log, "a")
+        nice = shutil.which("nice") if self.supernode_nice else None  # coreutils; it execs, so the pid is the node's
         cmd = [
+            *([nice, "-n", str(self.supernode_nice)] if nice else []),
             executable("flower-supernode"),
             "--superlink", self.address,
             "--root-certificates", str(self.certs[CA_CERT]),
@@ -451,13 +466,41 @@ class LoopbackCluster:
 
     def run(self, run_config: str, *, app: str | Path = ROOT, timeout: float = 900.0,
             log_file: Path | None = None) -> subprocess.CompletedProcess:
-        """``flwr run <app> postcard-local --stream --run-config <run_config>`` (waits for the end)."""
+        """``flwr run <app> postcard-local --stream --run-config <run_config>``, then waits for the run's end.
+
+        ``flwr run --stream`` returns when its log stream ends, which can be before the run
+        does (a stream the SuperLink drops under load): the run's status decides, polled
+        with ``flwr list`` until it is ``finished:...`` (a line about it is added to stdout).
+        """
+        deadline = time.time() + timeout
         cmd = [executable("flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         proc = subprocess.run(cmd, env=flower_env(self.cli_home), cwd=self.folder, capture_output=True,
                               text=True, timeout=timeout)
+        started = re.search(r"Successfully started run (\d+)", proc.stdout + proc.stderr)
+        if proc.returncode == 0 and started:
+            status = self.wait_run(int(started.group(1)), max(1.0, deadline - time.time()))
+            proc.stdout += f"[deploy] run {started.group(1)}: {status}\n"
         if log_file is not None:
             Path(log_file).write_text(proc.stdout + proc.stderr)
         return proc
+
+    def run_status(self, run_id: int) -> str:
+        """The run's status as ``flwr list`` gives it (``running``, ``finished:completed``, ...)."""
+        runs = _json_tail(self.cli(["list", CONNECTION, "--run-id", str(run_id), "--format", "json"]))["runs"]
+        if not runs:
+            raise DeployError(f"the SuperLink does not know run {run_id}")
+        return str(runs[0]["status"])
+
+    def wait_run(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
+        """Wait until run ``run_id`` is finished; returns its status (``finished:completed``, ...)."""
+        deadline = time.time() + timeout
+        while True:
+            status = self.run_status(run_id)
+            if status.startswith("finished"):
+                return status
+            if time.time() > deadline:
+                raise DeployError(f"run {run_id} is still '{status}' after {timeout:.0f} s")
+            time.sleep(poll)
 
     def submit(self, run_config: str, *, app: str | Path = ROOT, log_file: Path) -> subprocess.Popen:
         """Start ``flwr run ... --stream`` in the background (its output goes to ``log_file``)."""
@@ -498,7 +541,8 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 # ---------------------------------------------------------------------------- make deploy-local
-def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = None, keep: bool = False) -> int:
+def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = None, keep: bool = False,
+              timeout: float = 7200.0) -> int:
     """Start a loopback cluster, ``flwr run`` the app through it, stop everything by pid.
 
     Cluster files (certificates, keys, databases, logs) go to ``folder`` (default: a new
@@ -510,12 +554,12 @@ def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = 
     config = f"{run_config} output-dir='{outputs}'".strip()
     print(f"[deploy] cluster folder: {base}", flush=True)
     t0 = time.time()
-    with LoopbackCluster(base, nodes=nodes) as cluster:
+    with LoopbackCluster(base, nodes=nodes, persistent=False) as cluster:  # one run, no SuperLink restart
         cluster.start()
         print(f"[deploy] SuperLink {cluster.address} (TLS, SuperNode authentication) with {nodes} registered "
               f"SuperNodes online after {time.time() - t0:.0f} s", flush=True)
         print(f'[deploy] flwr run . {CONNECTION} --stream --run-config "{config}"', flush=True)
-        proc = cluster.run(config, log_file=base / "logs" / "flwr-run.log")
+        proc = cluster.run(config, timeout=timeout, log_file=base / "logs" / "flwr-run.log")
         print((proc.stdout + proc.stderr)[-8000:], flush=True)
     print(f"[deploy] every process stopped; `flwr run` exited with {proc.returncode} after {time.time() - t0:.0f} s",
           flush=True)

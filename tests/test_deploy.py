@@ -126,6 +126,15 @@ def test_a_supernode_without_a_registered_key_is_refused(cluster):
     assert len(cluster.online_nodes()) == NODES  # the registered nodes are unaffected
 
 
+def test_supernodes_and_their_clientapps_leave_the_cpu_to_the_superlink(cluster):
+    """On one machine the SuperNodes run niced (their ClientApps inherit it): starved of CPU,
+    the SuperLink's SQLite writes time out and Flower answers 500 (docs/deploy.md §8)."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, cluster.superlink.pid) == own
+    for node in cluster.members:
+        assert os.getpriority(os.PRIO_PROCESS, node.proc.pid) == min(19, own + cluster.supernode_nice)
+
+
 # ---------------------------------------------------------------------------- every algorithm
 def smartfed_pool(tmp_path_factory) -> str:
     """SmartFed mixes the LoRA adapters of a knowledge pool: a one-adapter pool for the tiny

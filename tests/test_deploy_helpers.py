@@ -97,3 +97,26 @@ def test_cli_commands_write_certificates_and_keys(tmp_path):
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.DNSName) == ["superlink"]
     assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+
+
+def test_a_run_is_waited_for_until_flwr_list_says_it_finished(tmp_path, monkeypatch):
+    """`flwr run --stream` can return while the run goes on (a dropped log stream): the
+    cluster then polls the run's status and only a finished status ends the wait."""
+    cluster = deploy.LoopbackCluster(tmp_path, nodes=1)
+    statuses = iter(["starting", "running", "running", "finished:completed"])
+    asked = []
+
+    def fake_cli(args, timeout=120.0):
+        asked.append(args)
+        return 'INFO log line\n{"success": true, "runs": [{"run-id": "7", "status": "%s"}]}' % next(statuses)
+
+    monkeypatch.setattr(cluster, "cli", fake_cli)
+    assert cluster.wait_run(7, timeout=30, poll=0.01) == "finished:completed"
+    assert len(asked) == 4 and asked[0] == ["list", deploy.CONNECTION, "--run-id", "7", "--format", "json"]
+
+    monkeypatch.setattr(cluster, "cli", lambda args, timeout=120.0: '{"success": true, "runs": [{"status": "running"}]}')
+    with pytest.raises(deploy.DeployError, match="still 'running'"):
+        cluster.wait_run(7, timeout=0.05, poll=0.01)
+    monkeypatch.setattr(cluster, "cli", lambda args, timeout=120.0: '{"success": true, "runs": []}')
+    with pytest.raises(deploy.DeployError, match="does not know run 7"):
+        cluster.wait_run(7, timeout=1, poll=0.01)
