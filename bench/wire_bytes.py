@@ -8,7 +8,9 @@ record), then measured three ways: the payload (the int4 bytes), Flower's ``coun
 of the records, and the protobuf requests a SuperNode sends (``strategies.codec.wire_bytes``:
 a ``PushMessagesRequest`` with the metadata and the object tree, one ``PushObjectRequest``
 per object). Rows per object show where the bytes go; variants show what dropping
-Postcard's extras (the fingerprint record, the diagnostic metrics) would save.
+Postcard's extras (the fingerprint record, the diagnostic metrics) would save, and the last
+two rows the floor of Flower's framing: z as bytes in a single ConfigRecord (not built: the
+strategies read payloads from ArrayRecords).
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ def flite_reply(metrics: dict, fingerprint: bool):
     if fingerprint:
         content["flite"] = ConfigRecord({"fingerprint": "0123456789abcdef"})
     return Message(RecordDict(content), reply_to=request)
+
+
+def bytes_reply(metrics: dict):
+    """The same int4 latents as bytes in one ConfigRecord, with ``metrics`` beside them: the
+    fewest objects a Flower 1.42 reply can have (message, record dict, one record)."""
+    import numpy as np
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from strategies import codec
+
+    z = np.random.default_rng(0).normal(0, 0.01, 1280).astype(np.float32)
+    request = Message(RecordDict({}), dst_node_id=2**62 + 12345, message_type="train")
+    return Message(RecordDict({"p": ConfigRecord({"z": codec.encode({"z": z}, "int4")["z"].data, **metrics})}),
+                   reply_to=request)
 
 
 def objects(message) -> list[tuple[str, int]]:
@@ -61,9 +77,12 @@ def main() -> int:
              "| object (as sent today) | deflated bytes |", "|---|---:|"]
     lines += [f"| {name} | {size:,} |" for name, size in objects(today)]
     lines += ["", "| reply | payload | count_bytes | objects | wire (protobuf requests) |", "|---|---:|---:|---:|---:|"]
+    variants["not built: z as bytes in one ConfigRecord, with num-examples"] = bytes_reply({"num-examples": 1600})
+    variants["not built: z as bytes in one ConfigRecord, nothing else"] = bytes_reply({})
     for label, message in variants.items():
-        lines.append(f"| {label} | {codec.payload_bytes(message.content['arrays']):,} | "
-                     f"{codec.message_bytes(message.content):,} | {len(objects(message))} | "
+        payload = (codec.payload_bytes(message.content["arrays"]) if "arrays" in message.content
+                   else len(message.content["p"]["z"]))
+        lines.append(f"| {label} | {payload:,} | {codec.message_bytes(message.content):,} | {len(objects(message))} | "
                      f"{codec.wire_bytes(message):,} |")
     text = "\n".join(lines) + "\n"
     out = ROOT / "docs" / "bench" / "wire_bytes.md"
