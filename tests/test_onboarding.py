@@ -47,3 +47,30 @@ def test_report_counts_unreached_seeds_and_pairs_only_seeds_both_reached():
     assert "| uplink bytes per client | 2,000 ± 0 (2/2 seeds reached it) | 300 (1/2 seeds reached it) " \
            "| -1,700 (n = 1) |" in text
     assert onboarding.mean_interval([1.0, 3.0]) == (2.0, pytest.approx(12.706204736, rel=1e-6))
+
+
+@pytest.mark.slow
+def test_the_onboarding_recipe_runs_end_to_end_on_a_tiny_model(tmp_path):
+    """The recipe of docs/smartfed.md, automated: a pool filled by a LoRA run on other plays
+    (`postcard pool build` = `pool add` of finished runs), then the new plays learned by
+    SmartFed from that pool and by FedAvg-LoRA from scratch; a pool holding the target's
+    plays is refused before anything trains."""
+    import json
+
+    out, runs = tmp_path / "report", tmp_path / "runs"
+    tiny = ["--model", "tiny-llama", "--seeds", "1", "--rounds", "2", "--steps", "2", "--eval-batches", "1",
+            "--pool-sources", "shakespeare-histories", "--pool-rounds", "1", "--pool-steps", "1",
+            "--runs-dir", str(runs)]
+    assert onboarding.main([*tiny, "--out", str(out)]) == 0
+    result = json.loads((out / "onboarding.json").read_text())
+    assert result["pool_adapters"] == ["shakespeare-histories"] and result["metric"] == "perplexity"
+    runs_42 = result["seeds"]["42"]
+    for method in ("fedavg-lora", "smartfed"):
+        assert sorted(runs_42[method]["metric_by_round"], key=int) == ["0", "1", "2"]
+        assert all(v > 0 for v in runs_42[method]["metric_by_round"].values())
+    assert runs_42["smartfed"]["uplink_bytes_per_client_round"] < runs_42["fedavg-lora"]["uplink_bytes_per_client_round"]
+    assert "| rounds |" in (out / "onboarding.md").read_text() and (out / "onboarding.png").stat().st_size > 0
+
+    # the same pool, but the new clients' plays are the pooled adapter's: refused
+    with pytest.raises(SystemExit, match="shakespeare-histories.*henry-v"):
+        onboarding.main([*tiny, "--out", str(tmp_path / "refused"), "--", "task.plays=[henry-v,king-john]"])
