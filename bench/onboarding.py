@@ -3,6 +3,8 @@
     .venv/bin/python bench/onboarding.py                        # SmolLM2, 3 seeds (~8 min a seed on 2 cores)
     .venv/bin/python bench/onboarding.py --model tiny-llama --seeds 1 --rounds 2 --steps 2 \\
         --pool-sources shakespeare-histories --pool-rounds 1 --pool-steps 2 --out /tmp/onboarding-smoke
+    .venv/bin/python bench/onboarding.py --seed-list 42 --out /tmp/part-42     # in parts (a seed a session) ...
+    .venv/bin/python bench/onboarding.py --merge /tmp/part-42/onboarding.json /tmp/part-43/onboarding.json  # ... merged
 
 The scenario of SmartFed's seed: a federation has fine-tuned LoRA adapters on its domains
 (here: ``postcard pool build`` runs one short federated LoRA fine-tuning per
@@ -87,12 +89,14 @@ def report(results: dict) -> str:
         "",
         f"## {metric} by round (mean over seeds)",
         "",
-        "| round | " + " | ".join(METHODS) + " |",
-        "|---|" + "---:|" * len(METHODS),
+        "| round | " + " | ".join(METHODS) + " | smartfed − fedavg-lora, paired |",
+        "|---|" + "---:|" * (len(METHODS) + 1),
     ]
     for r in range(results["rounds"] + 1):
         cells = [fmt(*mean_interval([runs[m]["metric_by_round"][str(r)] for runs in seeds.values()]))
                  for m in METHODS]
+        cells.append(fmt(*mean_interval([runs["smartfed"]["metric_by_round"][str(r)]
+                                         - runs["fedavg-lora"]["metric_by_round"][str(r)] for runs in seeds.values()])))
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
     for goal in results["targets"]:
         lines += ["", f"## Until {metric} {'≥' if higher else '≤'} {goal:.4g}", "",
@@ -139,12 +143,39 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+PROTOCOL = ("model", "target", "target_data", "rounds", "clients", "steps", "lr", "pool_adapters", "metric")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from parts run at different times (seeds split over sessions): the same
+    protocol, their seeds united (a later part's seed replaces an earlier one's)."""
+    first = parts[0]
+    for part in parts[1:]:
+        differ = [k for k in PROTOCOL if part.get(k) != first.get(k)]
+        if differ:
+            raise SystemExit(f"onboarding --merge: the parts differ in {differ}; they are not one benchmark")
+    seeds: dict[str, dict] = {}
+    for part in parts:
+        seeds.update(part["seeds"])
+    merged = {**first, "seeds": dict(sorted(seeds.items(), key=lambda kv: int(kv[0])))}
+    merged["command"] = "; ".join(dict.fromkeys(p["command"] for p in parts))
+    merged["date"] = ", ".join(dict.fromkeys(p["date"] for p in parts))
+    merged["wall_minutes"] = sum(p["wall_minutes"] for p in parts)
+    explicit = [p["targets"] for p in parts if p.get("targets_given")]
+    merged["targets"] = explicit[0] if explicit else default_targets(merged["seeds"], merged["rounds"])
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_run_arguments(parser)
     parser.add_argument("--seeds", type=int, default=3,
                         help="seeds 42..42+N-1 (a random-init model, e.g. tiny-llama, is its seed: 1 only)")
+    parser.add_argument("--seed-list", type=int, nargs="+", default=None, metavar="SEED",
+                        help="these seeds instead of 42..42+N-1 (a benchmark in parts: one part per session)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="ONBOARDING_JSON",
+                        help="no runs: one report (OUT) from the onboarding.json of parts of one benchmark")
     parser.add_argument("--targets", type=float, nargs="+", default=None,
                         help="metric values to reach (default: FedAvg-LoRA's mean metric halfway through)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "onboarding"))
@@ -159,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return write_outputs(out, "onboarding", merge([json.loads(Path(p).read_text()) for p in args.merge]),
+                             plot, report)
     runs_dir = Path(args.runs_dir or Path(os.environ.get("POSTCARD_OUTPUTS") or ROOT / "outputs") / "bench-onboarding")
     runs_dir = runs_dir.expanduser().resolve()
     common = [f"model={args.model}", f"output_dir={runs_dir}"]
@@ -170,21 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     run = [*common, f"task={args.task}", f"rounds={args.rounds}", f"num_clients={args.clients}",
            f"train.local_steps={args.steps}", f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}", *extra]
     target = compose(run)
-    if target.model.get("random_init") and args.seeds > 1:
+    if target.model.get("random_init") and len(args.seed_list or range(args.seeds)) > 1:
         parser.error(f"model {args.model} is a random init drawn from the seed: the pool's adapters fit seed 42 "
                      "only (--seeds 1)")
     held = check_unseen(pool_path, target)
     smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]"]
 
     seeds: dict[str, dict] = {}
-    for seed in range(42, 42 + args.seeds):
+    for seed in args.seed_list or range(42, 42 + args.seeds):
         seeds[str(seed)] = {
             "fedavg-lora": run_one("fedavg-lora", [*run, f"seed={seed}", f"run_name=onboarding-fedavg-lora-s{seed}"]),
             "smartfed": run_one("smartfed", [*run, *smartfed, f"seed={seed}", f"run_name=onboarding-smartfed-s{seed}"]),
         }
         for runs in seeds[str(seed)].values():
             runs.pop("smartfed_rounds", None)
-    metric = seeds["42"]["fedavg-lora"]["metric"]
+    metric = next(iter(seeds.values()))["fedavg-lora"]["metric"]
     data = {k: list(v) for k, v in (("plays", target.task.get("plays")),
                                      ("categories", target.task.get("categories"))) if v}
     results = {
@@ -193,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"), "wall_minutes": (time.time() - start) / 60,
         "model": args.model, "target": args.task, "target_data": json.dumps(data), "rounds": args.rounds,
         "clients": args.clients, "steps": args.steps, "lr": args.lr, "pool": str(pool_path), "pool_adapters": held,
-        "metric": metric, "targets": args.targets or default_targets(seeds, args.rounds), "seeds": seeds,
+        "metric": metric, "targets": args.targets or default_targets(seeds, args.rounds),
+        "targets_given": bool(args.targets), "seeds": seeds,
     }
     return write_outputs(out, "onboarding", results, plot, report)
 

@@ -74,3 +74,19 @@ def test_the_onboarding_recipe_runs_end_to_end_on_a_tiny_model(tmp_path):
     # the same pool, but the new clients' plays are the pooled adapter's: refused
     with pytest.raises(SystemExit, match="shakespeare-histories.*henry-v"):
         onboarding.main([*tiny, "--out", str(tmp_path / "refused"), "--", "task.plays=[henry-v,king-john]"])
+
+
+def test_parts_merge_into_one_benchmark_and_other_protocols_are_refused():
+    a, b = results(), results()
+    a["seeds"] = {"42": a["seeds"]["42"]}
+    b["seeds"] = {"43": b["seeds"]["43"]}
+    a["command"], b["command"] = "part 42", "part 43"
+    merged = onboarding.merge([a, b])
+    assert list(merged["seeds"]) == ["42", "43"] and merged["command"] == "part 42; part 43"
+    assert merged["targets"] == onboarding.default_targets(results()["seeds"], 3)  # over both seeds' runs
+    text = onboarding.report(merged)
+    # round 3, paired over the two seeds: smartfed − fedavg-lora = 36 − 34 and 43 − 35 -> 5 ± 38.12
+    assert "| 3 | 34.50 ± 6.35 | 39.50 ± 44.47 | 5.00 ± 38.12 |" in text
+    b["rounds"] = 8
+    with pytest.raises(SystemExit, match="rounds"):
+        onboarding.merge([a, b])
