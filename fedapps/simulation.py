@@ -34,6 +34,16 @@ def client_resources(cfg, num_clients: int) -> dict:
     return {"num_cpus": cpus, "num_gpus": float(gpus)}
 
 
+def ray_init_args(total_cpus: float | None = None) -> dict:
+    """Ray's init arguments of an in-process simulation: a Ray instance of its own on this
+    machine (``address='local'``), unless ``RAY_ADDRESS`` names a cluster to join. Without
+    it ``ray.init`` joins any cluster another process started here (a ``ray start``, a
+    test's ``Cluster``) and refuses our ``num_cpus``: the run crashed, and then hung."""
+    if os.environ.get("RAY_ADDRESS"):
+        return {"include_dashboard": False}  # the cluster's own resources
+    return {"address": "local", "num_cpus": total_cpus or os.cpu_count() or 2, "include_dashboard": False}
+
+
 def simulate(cfg, *, total_cpus: int | None = None, clients: ClientApp | None = None) -> dict:
     """Run ``cfg`` with ``cfg.num_clients`` (or the task's default) simulated SuperNodes.
 
@@ -59,7 +69,7 @@ def simulate(cfg, *, total_cpus: int | None = None, clients: ClientApp | None = 
         backend_name="ray",
         backend_config={
             "client_resources": resources,
-            "init_args": {"num_cpus": total_cpus or os.cpu_count() or 2, "include_dashboard": False},
+            "init_args": ray_init_args(total_cpus),
         },
     )
     if not result:
