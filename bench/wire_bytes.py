@@ -23,15 +23,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def flite_reply(metrics: dict, fingerprint: bool):
+def _latents_and_request():
+    """The int4 record of 1,280 latents and the train message a reply answers."""
     import numpy as np
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import Message, RecordDict
 
     from strategies import codec
 
     z = np.random.default_rng(0).normal(0, 0.01, 1280).astype(np.float32)
-    request = Message(RecordDict({}), dst_node_id=2**62 + 12345, message_type="train")
-    content = {"arrays": codec.encode({"z": z}, "int4"), "metrics": MetricRecord(metrics)}
+    return codec.encode({"z": z}, "int4"), Message(RecordDict({}), dst_node_id=2**62 + 12345, message_type="train")
+
+
+def flite_reply(metrics: dict, fingerprint: bool):
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    latents, request = _latents_and_request()
+    content = {"arrays": latents, "metrics": MetricRecord(metrics)}
     if fingerprint:
         content["flite"] = ConfigRecord({"fingerprint": "0123456789abcdef"})
     return Message(RecordDict(content), reply_to=request)
@@ -40,15 +47,10 @@ def flite_reply(metrics: dict, fingerprint: bool):
 def bytes_reply(metrics: dict):
     """The same int4 latents as bytes in one ConfigRecord, with ``metrics`` beside them: the
     fewest objects a Flower 1.42 reply can have (message, record dict, one record)."""
-    import numpy as np
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    from strategies import codec
-
-    z = np.random.default_rng(0).normal(0, 0.01, 1280).astype(np.float32)
-    request = Message(RecordDict({}), dst_node_id=2**62 + 12345, message_type="train")
-    return Message(RecordDict({"p": ConfigRecord({"z": codec.encode({"z": z}, "int4")["z"].data, **metrics})}),
-                   reply_to=request)
+    latents, request = _latents_and_request()
+    return Message(RecordDict({"p": ConfigRecord({"z": latents["z"].data, **metrics})}), reply_to=request)
 
 
 def objects(message) -> list[tuple[str, int]]:
