@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        return write_outputs(out, "onboarding", merge([json.loads(Path(p).read_text()) for p in args.merge]),
-                             plot, report)
+        try:
+            parts = [json.loads(Path(p).read_text()) for p in args.merge]
+        except (OSError, ValueError) as err:
+            parser.error(f"--merge: {err}")
+        return write_outputs(out, "onboarding", merge(parts), plot, report)
     runs_dir = Path(args.runs_dir or Path(os.environ.get("POSTCARD_OUTPUTS") or ROOT / "outputs") / "bench-onboarding")
     runs_dir = runs_dir.expanduser().resolve()
     common = [f"model={args.model}", f"output_dir={runs_dir}"]

@@ -105,7 +105,11 @@ def merge(results: list[dict], parts: list) -> list[dict]:
     results = list(results)
     for path in parts:
         done = {(r["model"], r["mode"]) for r in results}
-        part = json.loads(Path(path).read_text())
+        try:
+            part = json.loads(Path(path).read_text())
+            part["results"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"overhead --merge: {path} is not an overhead.json ({type(err).__name__}: {err})")
         results += [{"command": part.get("command"), **r} for r in part["results"] if (r["model"], r["mode"]) not in done]
     protocols = {(r.get("clients"), r.get("rounds")) for r in results}
     if len(protocols) > 1:

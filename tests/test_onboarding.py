@@ -90,3 +90,9 @@ def test_parts_merge_into_one_benchmark_and_other_protocols_are_refused():
     b["rounds"] = 8
     with pytest.raises(SystemExit, match="rounds"):
         onboarding.merge([a, b])
+
+
+def test_merge_of_a_missing_part_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        onboarding.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "missing.json" in capsys.readouterr().err

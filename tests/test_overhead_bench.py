@@ -32,3 +32,10 @@ def test_parts_of_another_protocol_are_refused(tmp_path):
     part.write_text(json.dumps({"results": [row("smollm2", "deployment", 380.0, clients=3)]}))
     with pytest.raises(SystemExit, match="different"):
         overhead.merge([row("tiny-llama", "simulation", 3.0)], [part])
+
+
+def test_a_part_that_is_not_an_overhead_json_gets_a_clear_error(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    for path in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match="is not an overhead.json"):
+            overhead.merge([row("tiny-llama", "simulation", 3.0)], [path])
