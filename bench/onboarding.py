@@ -82,6 +82,13 @@ def report(results: dict) -> str:
         "",
         f"Made by: `{results['command']}` ({results['date']}, {results['wall_minutes']:.1f} min wall).",
         "",
+    ]
+    reused = [f"{m} seed {seed} (`{runs[m]['run_dir']}`)" for seed, runs in seeds.items() for m in METHODS
+              if runs[m].get("reused")]
+    if reused:
+        lines += ["Read from completed run folders of the same configuration (`--reuse-runs`), not run again: "
+                  + ", ".join(reused) + ".", ""]
+    lines += [
         f"Pool: {', '.join(results['pool_adapters'])} ({results['pool']}); the target's data "
         f"({results['target_data']}) is in none of them. {results['clients']} clients, {results['rounds']} rounds × "
         f"{results['steps']} local steps, lr {results['lr']}, seeds {', '.join(seeds)} (n = {n}; ± = 95% "
@@ -181,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "onboarding"))
     parser.add_argument("--runs-dir", default=None,
                         help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-onboarding/)")
+    parser.add_argument("--reuse-runs", action="store_true",
+                        help="read a completed run folder in RUNS_DIR whose config.yaml is exactly the run's "
+                             "instead of running it again (e.g. after an interrupted part)")
     args, extra = parser.parse_known_args(argv)
     extra = [e for e in extra if e != "--"]
     for name in ("rounds", "clients", "steps", "seeds"):
@@ -216,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     seeds: dict[str, dict] = {}
     for seed in args.seed_list or range(42, 42 + args.seeds):
         seeds[str(seed)] = {
-            "fedavg-lora": run_one("fedavg-lora", [*run, f"seed={seed}", f"run_name=onboarding-fedavg-lora-s{seed}"]),
-            "smartfed": run_one("smartfed", [*run, *smartfed, f"seed={seed}", f"run_name=onboarding-smartfed-s{seed}"]),
+            "fedavg-lora": run_one("fedavg-lora", [*run, f"seed={seed}", f"run_name=onboarding-fedavg-lora-s{seed}"],
+                                   reuse=args.reuse_runs),
+            "smartfed": run_one("smartfed", [*run, *smartfed, f"seed={seed}", f"run_name=onboarding-smartfed-s{seed}"],
+                                reuse=args.reuse_runs),
         }
         for runs in seeds[str(seed)].values():
             runs.pop("smartfed_rounds", None)

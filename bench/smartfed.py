@@ -198,12 +198,39 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_one(name: str, overrides: list[str]) -> dict:
+def finished_run(cfg) -> dict | None:
+    """The summary of a completed run folder under the output root, named after ``cfg.run_name``
+    (or its ``-N`` siblings), whose ``config.yaml`` is exactly ``cfg``'s; None if there is none."""
+    from fedapps.config import to_yaml
+    from fedapps.outputs import output_root
+
+    root, name, wanted = output_root(cfg), str(cfg.run_name), to_yaml(cfg)
+    for folder in sorted(root.glob(f"{name}*")):
+        if folder.name != name and not (folder.name[len(name):].startswith("-") and folder.name[len(name) + 1:].isdigit()):
+            continue
+        try:
+            summary = json.loads((folder / "summary.json").read_text())
+            same = (folder / "config.yaml").read_text() == wanted
+        except (OSError, ValueError):
+            continue
+        if same and summary.get("status") == "completed":
+            return summary
+    return None
+
+
+def run_one(name: str, overrides: list[str], reuse: bool = False) -> dict:
+    """One simulation and its summary with cumulative uplink bytes per round; with ``reuse``, a
+    completed run of exactly this configuration (:func:`finished_run`) is read instead of run."""
     from fedapps.simulation import simulate
 
     cfg = compose(overrides, algorithm=name)
-    print(f"== {name}: {' '.join(overrides)}", flush=True)
-    summary = simulate(cfg)
+    summary = finished_run(cfg) if reuse else None
+    if summary is not None:
+        print(f"== {name}: reusing the completed run {summary['run_dir']} (same config.yaml)", flush=True)
+        summary["reused"] = True
+    else:
+        print(f"== {name}: {' '.join(overrides)}", flush=True)
+        summary = simulate(cfg)
     rounds = read_metrics(summary["run_dir"])
     total, cumulative = 0, {}
     for record in rounds:

@@ -58,7 +58,7 @@ def test_the_onboarding_recipe_runs_end_to_end_on_a_tiny_model(tmp_path):
     import json
 
     out, runs = tmp_path / "report", tmp_path / "runs"
-    tiny = ["--model", "tiny-llama", "--seeds", "1", "--rounds", "2", "--steps", "2", "--eval-batches", "1",
+    tiny = ["--model", "tiny-llama", "--seeds", "1", "--rounds", "1", "--steps", "2", "--eval-batches", "1",
             "--pool-sources", "shakespeare-histories", "--pool-rounds", "1", "--pool-steps", "1",
             "--runs-dir", str(runs)]
     assert onboarding.main([*tiny, "--out", str(out)]) == 0
@@ -66,10 +66,18 @@ def test_the_onboarding_recipe_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert result["pool_adapters"] == ["shakespeare-histories"] and result["metric"] == "perplexity"
     runs_42 = result["seeds"]["42"]
     for method in ("fedavg-lora", "smartfed"):
-        assert sorted(runs_42[method]["metric_by_round"], key=int) == ["0", "1", "2"]
+        assert sorted(runs_42[method]["metric_by_round"], key=int) == ["0", "1"]
         assert all(v > 0 for v in runs_42[method]["metric_by_round"].values())
     assert runs_42["smartfed"]["uplink_bytes_per_client_round"] < runs_42["fedavg-lora"]["uplink_bytes_per_client_round"]
     assert "| rounds |" in (out / "onboarding.md").read_text() and (out / "onboarding.png").stat().st_size > 0
+
+    # an interrupted part is continued: the completed runs of the same configuration are read, not run again
+    assert onboarding.main([*tiny, "--reuse-runs", "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "onboarding.json").read_text())["seeds"]["42"]
+    for method in ("fedavg-lora", "smartfed"):
+        assert again[method]["reused"] and again[method]["run_dir"] == runs_42[method]["run_dir"]
+        assert again[method]["metric_by_round"] == runs_42[method]["metric_by_round"]
+    assert "not run again: fedavg-lora seed 42" in (tmp_path / "again" / "onboarding.md").read_text()
 
     # the same pool, but the new clients' plays are the pooled adapter's: refused
     with pytest.raises(SystemExit, match="shakespeare-histories.*henry-v"):
@@ -96,3 +104,27 @@ def test_merge_of_a_missing_part_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         onboarding.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "missing.json" in capsys.readouterr().err
+
+
+def test_only_a_completed_run_of_exactly_this_configuration_is_reused(tmp_path):
+    import json
+
+    from fedapps.config import compose, to_yaml
+    from smartfed import finished_run
+
+    cfg = compose(["model=tiny-llama", f"output_dir={tmp_path}", "run_name=part-s42", "rounds=2"],
+                  algorithm="fedavg-lora")
+
+    def folder(name, config, status):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(config)
+        (tmp_path / name / "summary.json").write_text(json.dumps({"status": status, "run_dir": name}))
+
+    assert finished_run(cfg) is None
+    folder("part-s42", to_yaml(cfg), "failed")                                         # crashed
+    folder("part-s42-2", to_yaml(compose(["model=tiny-llama", f"output_dir={tmp_path}", "run_name=part-s42",
+                                          "rounds=3"], algorithm="fedavg-lora")), "completed")  # other protocol
+    folder("part-s420", to_yaml(cfg), "completed")                                     # another run's name
+    assert finished_run(cfg) is None
+    folder("part-s42-3", to_yaml(cfg), "completed")
+    assert finished_run(cfg)["run_dir"] == "part-s42-3"
