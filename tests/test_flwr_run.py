@@ -1,6 +1,7 @@
 """`flwr run .` of the registered app, on the real embedded SmolLM2 (a few steps)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -83,7 +84,8 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
     (at once), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes.
     The runs go to a two-node Ray cluster (RAY_ADDRESS, docs/deploy.md §1): the completed run's two
     ClientApps ran one on each node, and the same configuration run again by the in-process
-    single-node simulation (fedapps.simulation, what the benchmarks use) gives the same metrics."""
+    single-node simulation (fedapps.simulation, what the benchmarks use), beside that cluster, gives
+    the same metrics."""
     flwr_home = tmp_path / "flwr-home"
     env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     cluster = two_ray_nodes()
@@ -122,14 +124,22 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         placement = ray_placement(cluster.address)
         assert len(placement["nodes"]) == 2
         assert set(placement["actors"]) == set(placement["nodes"]), placement  # ClientApps ran on both nodes
+        # the same configuration through fedapps.simulation.simulate: the same experiment. It runs while
+        # the two-node cluster is still up, without RAY_ADDRESS: the simulation starts a Ray instance of
+        # its own (ray_init_args) instead of joining that cluster, which refused its num_cpus and hung the
+        # run before (in a process of its own, so that a hang fails the test at its timeout)
+        code = ("import json\nfrom fedapps.config import compose\nfrom fedapps.simulation import simulate\n"
+                f"s = simulate(compose(['rounds=1', 'train.local_steps=2', 'output_dir={tmp_path / 'sim'}'], "
+                "preset='test'))\nprint('SUMMARY', json.dumps(s))")
+        local = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=local, capture_output=True, text=True,
+                              timeout=300)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
+        assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+        same = json.loads(lines[-1].removeprefix("SUMMARY "))
     finally:
         stop_superlinks(flwr_home)
         cluster.shutdown()
-    # the same configuration through the in-process simulation: the same experiment
-    from fedapps.config import compose
-    from fedapps.simulation import simulate
-
-    same = simulate(compose(["rounds=1", "train.local_steps=2", f"output_dir={tmp_path / 'sim'}"], preset="test"))
     assert same["num_clients"] == summary["num_clients"] == 2
     assert same["metric_by_round"]["0"] == pytest.approx(summary["metric_by_round"]["0"], rel=1e-9)
     assert same["metric_by_round"]["1"] == pytest.approx(summary["metric_by_round"]["1"], rel=1e-6)
