@@ -112,15 +112,20 @@ def round_seed(cfg, server_round: int, partition_id: int) -> int:
 
 def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
     """The keyword arguments every strategy takes from the run's configuration: the bounds on
-    each client's influence (the ``robust`` group), the YAML sent to each client once, the
+    each client's influence (the ``robust`` group), the server optimiser
+    (``strategy.server_optimizer``), the YAML sent to each client once, the
     client count and minimum, the sampled fractions, and the runner's round-end callback."""
     from omegaconf import OmegaConf
 
     from fedapps import privacy, secure
     from strategies.robust import Robustness
+    from strategies.server_opt import ServerOptimizer
 
     return dict(
         robustness=Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)),
+        server_optimizer=ServerOptimizer.from_mapping(
+            OmegaConf.to_container(cfg.strategy.server_optimizer, resolve=True)
+            if cfg.strategy.get("server_optimizer") is not None else None),
         secure=secure.settings_of(cfg),
         privacy=privacy.settings_of(cfg),
         config_yaml=config_yaml,

@@ -50,6 +50,7 @@ from strategies.privacy import Privacy, add_noise
 from strategies.robust import Robustness
 from strategies.secagg import SecAggError
 from strategies.secure_round import KEYS, SHARES, UNMASK, SecureRound, SecureSettings
+from strategies.server_opt import PREFIX as OPT_PREFIX, OptimizerState, ServerOptimizer
 
 CONFIG_RECORD = "postcard"  # ConfigRecord holding the resolved YAML (first message to a node)
 NUM_EXAMPLES = "num-examples"
@@ -105,6 +106,7 @@ class PayloadFedAvg(FedAvg):
         secure: SecureSettings | None = None,
         privacy: Privacy | None = None,
         channel: LatentChannel | None = None,
+        server_optimizer: ServerOptimizer | None = None,
     ) -> None:
         min_clients = num_clients if min_clients is None else int(min_clients)
         super().__init__(
@@ -156,6 +158,9 @@ class PayloadFedAvg(FedAvg):
             raise ValueError(f"differential privacy clips and noises dense updates: uplink format '{uplink_format}' "
                              "is not dense")
         self.privacy_released = 0  # rounds whose noised aggregate (central) or noised updates (local) went out
+        self.server_opt = server_optimizer if server_optimizer is not None else ServerOptimizer()
+        self.opt_state = OptimizerState()
+        self._pending_opt: tuple[int, OptimizerState] | None = None  # this round's moments, until it commits
         self._secure: SecureRound | None = None
         self._secure_train: list[Message] = []
         self._secure_metrics: list[dict] = []
@@ -173,9 +178,16 @@ class PayloadFedAvg(FedAvg):
             return self.channel.layout()
         return {k: tuple(self.global_state[k].shape) for k in self.uplink_keys}
 
-    def advance(self, server_round: int, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def advance(self, server_round: int, update: Mapping[str, np.ndarray], *,
+                combined: bool = True) -> dict[str, np.ndarray]:
         """The new global values from a combined update in payload space: ``global + update``
-        (through the latent channel's expansion first, when the payload is latents)."""
+        (through the latent channel's expansion first, when the payload is latents). A round's
+        combined update is first the server optimiser's pseudo-gradient (``strategy.server_optimizer``,
+        ``strategies.server_opt``): the step replaces it, and its moments wait for :meth:`commit`.
+        ``combined=False``: one client's update, as it would move the state (no optimiser step)."""
+        if combined and not self.server_opt.plain:
+            update, moments = self.server_opt.step(update, self.opt_state)
+            self._pending_opt = (int(server_round), moments)
         if self.channel is not None:
             if self.latent_downlink and np.all(np.isfinite(update[LATENT_KEY])):
                 # the combined z as the clients will decode it from the downlink (a non-finite one is refused later)
@@ -246,10 +258,20 @@ class PayloadFedAvg(FedAvg):
         meta = {"history": list(self.history), "privacy_released": self.privacy_released}
         if self.latent_downlink:  # the bytes as sent: a resumed run sends the clients the same history
             meta["latent_history"] = [[t, a.stype, list(a.shape), a.data.hex()] for t, a in self.latent_history]
-        return {k: v.copy() for k, v in self.global_state.items()}, meta
+        arrays = {k: v.copy() for k, v in self.global_state.items()}
+        if not self.server_opt.plain:  # the server optimiser's moments, beside the state they move
+            meta["server_optimizer"] = {"name": self.server_opt.name, "t": self.opt_state.t}
+            arrays.update(self.opt_state.to_arrays())
+        return arrays, meta
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
         """Restore :meth:`state_dict`'s output; the layout (keys, shapes) must be this strategy's."""
+        moments = {k: v for k, v in arrays.items() if k.startswith(f"{OPT_PREFIX}/")}
+        arrays = {k: v for k, v in arrays.items() if k not in moments}
+        saved = meta.get("server_optimizer")
+        if (saved or {}).get("name", "fedavg") != self.server_opt.name:
+            raise ValueError(f"the checkpoint was written with server optimizer "
+                             f"{(saved or {}).get('name', 'fedavg')!r}, this run uses {self.server_opt.name!r}")
         expected = {k: v.shape for k, v in self.global_state.items()}
         got = {k: tuple(np.shape(v)) for k, v in arrays.items()}
         if set(got) != set(expected):
@@ -267,6 +289,9 @@ class PayloadFedAvg(FedAvg):
                                               data=bytes.fromhex(data)))
                                for t, stype, shape, data in meta.get("latent_history", [])]
         self._pending_latent = None
+        self.opt_state = (OptimizerState.from_arrays(int(saved["t"]), moments, list(expected)) if saved
+                          else OptimizerState())
+        self._pending_opt = None
         self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
         self._round = {}
 
@@ -365,7 +390,7 @@ class PayloadFedAvg(FedAvg):
         """(key, values) a client proposes for the global state: what ``max_abs`` and
         :meth:`value_bounds` are checked against."""
         if self.channel is not None:  # latents: the values of the federated tensors they would move to
-            yield from self.advance(self._round.get("round", 0), payload).items()
+            yield from self.advance(self._round.get("round", 0), payload, combined=False).items()
             return
         for key, value in payload.items():
             yield key, (value if self.uplink == "absolute" else self.global_state[key] + value)
@@ -438,7 +463,9 @@ class PayloadFedAvg(FedAvg):
             return self.advance(self._round.get("round", 0), combined)
         mean = weighted_mean(payloads, [float(w) for w in weights])
         if self.uplink == "absolute":
-            return mean
+            if self.server_opt.plain:
+                return mean
+            mean = {k: v.astype(np.float64) - self.global_state[k] for k, v in mean.items()}  # the mean update
         return self.advance(self._round.get("round", 0), mean)
 
     def commit(self, update: dict[str, np.ndarray]) -> None:
@@ -449,6 +476,9 @@ class PayloadFedAvg(FedAvg):
         if self._pending_latent is not None and self._pending_latent[0] == self._round.get("round"):
             self.latent_history.append(self._pending_latent)
         self._pending_latent = None
+        if self._pending_opt is not None and self._pending_opt[0] == self._round.get("round"):
+            self.opt_state = self._pending_opt[1]
+        self._pending_opt = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         out = self._aggregate_train(server_round, replies)

@@ -110,6 +110,10 @@ class SmartFedStrategy(PayloadFedAvg):
             raise ValueError(f"SmartFed's sparse expert updates are combined by the weighted mean only; "
                              f"robust.aggregator={kwargs['robustness'].aggregator!r} is not supported (use the "
                              "norm clip and example cap of robust=default)")
+        if kwargs.get("server_optimizer") is not None and not kwargs["server_optimizer"].plain:
+            raise ValueError(f"SmartFed applies its sparse expert updates as they are (the active experts change "
+                             f"every round); strategy.server_optimizer.name={kwargs['server_optimizer'].name!r} is "
+                             "not supported (use fedavg)")
         initial = state.to_tensors()
         fields = ("router", "A", "B") if layout.train_experts else ("router",)
         keys = [f"{m}/{f}" for m in layout for f in fields]

@@ -41,6 +41,7 @@ from strategies.fednl import FedNL
 from strategies.fedssi import FedSSI
 from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, FliteStrategy
 from strategies.smartfed import SmartFedStrategy
+from strategies.server_opt import ServerOptimizer
 
 NODES = (1, 2, 3, 4)
 HOSTILE = 4
@@ -114,6 +115,10 @@ SPECS = [
                                              powersgd_rank=2, **_common(**kw)), "powersgd", rank=2),
     Spec("flite", lambda **kw: FliteStrategy(fingerprint="abcd" * 4, initial_state={"z": np.zeros(1280, np.float32)},
                                              uplink_format="int4", downlink_format="fp32", **_common(**kw)), "int4"),
+    # FLITE with an adaptive server optimiser: the moments are the state a hostile reply could steer
+    Spec("flite-fedadam", lambda **kw: FliteStrategy(
+        fingerprint="abcd" * 4, initial_state={"z": np.zeros(1280, np.float32)}, uplink_format="int4",
+        downlink_format="fp32", server_optimizer=ServerOptimizer(name="fedadam", lr=0.01), **_common(**kw)), "int4"),
     Spec("fednl-meta-rules", lambda **kw: FedNL(mode="meta-rules", initial_state=_state({**FEDNL_LORA, **FEDNL_MEMORY}),
                                                 **_common(**kw)), "fp32"),
     Spec("fednl-gate", lambda **kw: FedNL(mode="gate", initial_state=_state(FEDNL_MEMORY), **_common(**kw)), "fp32"),
@@ -486,9 +491,9 @@ KINDS: list[Kind] = [
     # --- method-specific bounds and contracts
     K("flite-fingerprint-mismatch", "method", "refused",
       lambda c: c.hostile(extra={FINGERPRINT_RECORD: ConfigRecord({"fingerprint": "0" * 16})}),
-      applies=lambda s, st: s.name == "flite"),
+      applies=lambda s, st: s.name.startswith("flite")),
     K("flite-fingerprint-missing", "method", "refused", lambda c: _without_fingerprint(c),
-      applies=lambda s, st: s.name == "flite"),
+      applies=lambda s, st: s.name.startswith("flite")),
     K("fednl-gate-logit-1e3", "method", "refused", lambda c: _with_key_value(c, lambda k: k.endswith("fednl_gate"), 1e3),
       applies=lambda s, st: s.name.startswith("fednl")),
     K("fednl-gate-logit-minus-1e30", "method", "refused",
@@ -646,8 +651,16 @@ def _same_state(a: PayloadFedAvg, b: PayloadFedAvg) -> bool:
 def _distance_and_bound(strategy, reference, probe, replies: list[Message]) -> tuple[float, float]:
     """‖new − honest-only mean‖ and its documented bound ``s·(‖u_h‖ + max honest ‖u_i‖)``, with
     s the hostile reply's weight share after the example cap and ‖u_h‖ its norm after the
-    clip (at most norm_multiple × the lower median of the round's norms)."""
+    clip (at most norm_multiple × the lower median of the round's norms). With an adaptive server
+    optimiser the step replaces the mean update: two steps differ by at most twice its per-coordinate
+    bound in every coordinate (``ServerOptimizer.step_bound``)."""
     from strategies import robust
+
+    if not strategy.server_opt.plain:
+        diff = robust.norm({key: strategy.global_state[key].astype(np.float64) - reference.global_state[key]
+                            for key in strategy.global_state})
+        size = sum(strategy.global_state[k].size for k in strategy.uplink_keys)
+        return diff, 2.0 * strategy.server_opt.step_bound() * float(np.sqrt(size))
 
     settings = strategy.robustness
     probe._start_round(2)
