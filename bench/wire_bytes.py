@@ -2,15 +2,15 @@
 
     .venv/bin/python bench/wire_bytes.py            # prints the table (a second), writes docs/bench/wire_bytes.md
 
-A FLITE training reply is built exactly as the ClientApp builds one (1,280 latents as int4,
-the metrics ``clients.train.local_train`` returns plus ``partition-id``, the fingerprint
-record), then measured three ways: the payload (the int4 bytes), Flower's ``count_bytes``
-of the records, and the protobuf requests a SuperNode sends (``strategies.codec.wire_bytes``:
-a ``PushMessagesRequest`` with the metadata and the object tree, one ``PushObjectRequest``
-per object). Rows per object show where the bytes go; variants show what dropping
-Postcard's extras (the fingerprint record, the diagnostic metrics) would save, and the last
-two rows the floor of Flower's framing: z as bytes in a single ConfigRecord (not built: the
-strategies read payloads from ArrayRecords).
+A FLITE training reply is built as the ClientApp builds one (1,280 latents as int4; full
+form: the metrics ``clients.train.local_train`` returns plus ``partition-id`` and
+``client-seconds``, and the fingerprint record; compact form, ``algorithm.reply=compact``:
+``strategies.flite.compact_content``), then measured three ways: the payload (the int4
+bytes), Flower's ``count_bytes`` of the records, and the protobuf requests a SuperNode sends
+(``strategies.codec.wire_bytes``: a ``PushMessagesRequest`` with the metadata and the object
+tree, one ``PushObjectRequest`` per object). Rows per object show where the bytes go;
+variants show what each of Postcard's extras costs, and the last row the floor of Flower's
+framing (z's bytes alone in one ConfigRecord: a reply without even ``num-examples``).
 """
 
 from __future__ import annotations
@@ -44,13 +44,18 @@ def flite_reply(metrics: dict, fingerprint: bool):
     return Message(RecordDict(content), reply_to=request)
 
 
-def bytes_reply(metrics: dict):
-    """The same int4 latents as bytes in one ConfigRecord, with ``metrics`` beside them: the
-    fewest objects a Flower 1.42 reply can have (message, record dict, one record)."""
-    from flwr.app import ConfigRecord, Message, RecordDict
+def compact_reply(num_examples: int | None):
+    """The compact reply (``algorithm.reply=compact``: z's bytes and num-examples in one ConfigRecord,
+    the fewest objects a Flower 1.42 reply can have); ``None``: without num-examples (Flower's floor)."""
+    from flwr.app import Message
+
+    from strategies.flite import COMPACT_RECORD, compact_content
 
     latents, request = _latents_and_request()
-    return Message(RecordDict({"p": ConfigRecord({"z": latents["z"].data, **metrics})}), reply_to=request)
+    content = compact_content(latents, num_examples or 1)
+    if num_examples is None:
+        del content[COMPACT_RECORD]["num-examples"]
+    return Message(content, reply_to=request)
 
 
 def objects(message) -> list[tuple[str, int]]:
@@ -63,27 +68,28 @@ def main() -> int:
     from flwr.supercore.task_identity import TaskIdentity
 
     from strategies import codec
+    from strategies.flite import COMPACT_RECORD
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     full_metrics = {"loss": 0.51, "first-loss": 0.62, "last-loss": 0.47, "seconds": 12.3, "num-examples": 1600,
-                    "partition-id": 3}
+                    "partition-id": 3, "client-seconds": 14.1}
     lean_metrics = {"loss": 0.51, "num-examples": 1600}
+    full = "full (`algorithm.reply=full`, the default: fingerprint record, 7 metrics)"
     variants = {
-        "as sent today (fingerprint record, 6 metrics)": flite_reply(full_metrics, True),
-        "without the fingerprint record": flite_reply(full_metrics, False),
-        "without it, 2 metrics (loss, num-examples)": flite_reply(lean_metrics, False),
+        full: flite_reply(full_metrics, True),
+        "full form without the fingerprint record": flite_reply(full_metrics, False),
+        "full form without it, 2 metrics (loss, num-examples)": flite_reply(lean_metrics, False),
+        "**compact** (`algorithm.reply=compact`: z's bytes and num-examples in one ConfigRecord)": compact_reply(1600),
+        "Flower's floor: z's bytes alone in one ConfigRecord": compact_reply(None),
     }
-    today = variants["as sent today (fingerprint record, 6 metrics)"]
     lines = ["# A FLITE reply on the wire (1,280 int4 latents)", "",
              f"Made by `bench/wire_bytes.py`, {time.strftime('%Y-%m-%d')}, flwr 1.42.", "",
-             "| object (as sent today) | deflated bytes |", "|---|---:|"]
-    lines += [f"| {name} | {size:,} |" for name, size in objects(today)]
+             "| object (full reply) | deflated bytes |", "|---|---:|"]
+    lines += [f"| {name} | {size:,} |" for name, size in objects(variants[full])]
     lines += ["", "| reply | payload | count_bytes | objects | wire (protobuf requests) |", "|---|---:|---:|---:|---:|"]
-    variants["not built: z as bytes in one ConfigRecord, with num-examples"] = bytes_reply({"num-examples": 1600})
-    variants["not built: z as bytes in one ConfigRecord, nothing else"] = bytes_reply({})
     for label, message in variants.items():
         payload = (codec.payload_bytes(message.content["arrays"]) if "arrays" in message.content
-                   else len(message.content["p"]["z"]))
+                   else len(message.content[COMPACT_RECORD]["z"]))
         lines.append(f"| {label} | {payload:,} | {codec.message_bytes(message.content):,} | {len(objects(message))} | "
                      f"{codec.wire_bytes(message):,} |")
     text = "\n".join(lines) + "\n"

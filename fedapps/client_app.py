@@ -36,6 +36,8 @@ def train(msg: Message, context: Context) -> Message:
     start = time.perf_counter()
     method, call = _call(msg, context)
     update = method.train(call)
+    if update.content is not None:  # the method's own reply form (secure aggregation and DP are refused with it)
+        return Message(content=update.content, reply_to=msg)
     update.metrics["partition-id"] = call.session.partition_id
     arrays = update.arrays
     dp = privacy.settings_of(call.cfg)

@@ -221,6 +221,8 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_model_path(cfg.model)
     _check_robust(cfg)
     _check_router_rounds(cfg.algorithm)
+    _check_server_optimizer(cfg)
+    _check_reply(cfg.algorithm)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -307,6 +309,28 @@ def _check_router_rounds(algorithm) -> None:
                           "use mode=experts+router")
 
 
+def _check_server_optimizer(cfg: DictConfig) -> None:
+    """``strategy.server_optimizer`` builds (strategies.server_opt.ServerOptimizer) and suits the algorithm."""
+    from strategies.server_opt import ServerOptimizer
+
+    block = cfg.strategy.get("server_optimizer")
+    try:
+        settings = ServerOptimizer.from_mapping(None if block is None else OmegaConf.to_container(block, resolve=True))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    if cfg.algorithm.name == "smartfed" and not settings.plain:
+        raise ConfigError(f"algorithm 'smartfed' applies its sparse expert updates as they are; "
+                          f"strategy.server_optimizer.name={settings.name!r} is not supported (use fedavg)")
+
+
+def _check_reply(algorithm) -> None:
+    """FLITE's ``algorithm.reply``: full or compact."""
+    from strategies.flite import REPLY_FORMS
+
+    if "reply" in algorithm and algorithm.reply not in REPLY_FORMS:
+        raise ConfigError(f"algorithm.reply must be one of {list(REPLY_FORMS)}, got {algorithm.reply!r}")
+
+
 # why secure aggregation and differential privacy cannot carry a method's updates (both work on
 # dense updates of one layout)
 DENSE_ONLY = {
@@ -359,6 +383,9 @@ def _check_privacy(cfg: DictConfig) -> None:
 
 def _dense_mean_only(cfg: DictConfig, what: str, why: str) -> None:
     """Secure aggregation and differential privacy take dense updates and the mean aggregator."""
+    if cfg.algorithm.get("reply") == "compact":
+        raise ConfigError(f"{what} cannot carry FLITE's compact reply (z's bytes alone, no room for masks or "
+                          "noise bookkeeping): use algorithm.reply=full")
     for key in (str(cfg.algorithm.name), str(cfg.algorithm.get("payload", "fp32"))):
         if key in DENSE_ONLY:
             raise ConfigError(f"{what} cannot carry algorithm '{cfg.algorithm.name}' with payload "

@@ -3,6 +3,8 @@
 Clients regenerate FLITE's factors from the shared seed (``clients.flite``), load the
 global z, train z alone, and reply with z (int4 or fp32) and the fingerprint of their
 parametrisation; ``strategies.flite.FliteStrategy`` refuses mismatches and averages z.
+With ``algorithm.reply=compact`` the reply is z's bytes and ``num-examples`` alone; a client
+then trains only under a server whose fingerprint is its own (it always checks).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Upd
                             uplink_kwargs)
 from fedapps.session import ClientSetupError, uplink_record
 from strategies import codec
-from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy
+from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy, compact_content
 
 
 def flite_config(cfg) -> FliteConfig:
@@ -36,10 +38,12 @@ def prepare(cfg):
     return model, tokenizer, {"fingerprint": fingerprint(config, model), "latents": num_latents(model)}
 
 
-def _load(s, msg: Message) -> np.ndarray:
+def _load(s, msg: Message, *, require_fingerprint: bool = False) -> np.ndarray:
+    """Load the downlink's z, after checking the server's fingerprint against this client's (a
+    compact reply carries none, so then the server must have sent one)."""
     expected = s.extra["fingerprint"]
     sent = msg.content["config"].get(FINGERPRINT_KEY)
-    if sent is not None and sent != expected:
+    if (sent is not None or require_fingerprint) and sent != expected:
         raise ClientSetupError(f"the server's FLITE fingerprint {sent} differs from this client's {expected}")
     z = codec.decode(msg.content["arrays"])[LATENT_KEY]
     set_latents(s.model, z)
@@ -49,10 +53,13 @@ def _load(s, msg: Message) -> np.ndarray:
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
     s = call.session
-    received = _load(s, call.msg)
+    compact = str(call.cfg.algorithm.get("reply", "full")) == "compact"
+    received = _load(s, call.msg, require_fingerprint=compact)
     metrics = local_train(s.model, s.task, call.cfg.train, seed=call.seed)
     arrays = uplink_record(call.cfg, call.context, {LATENT_KEY: get_latents(s.model)}, {LATENT_KEY: received},
                            call.seed)
+    if compact:  # z's bytes and num-examples, nothing else
+        return Update(metrics, arrays, content=compact_content(arrays, metrics["num-examples"]))
     return Update(metrics, arrays, {FINGERPRINT_RECORD: ConfigRecord({"fingerprint": s.extra["fingerprint"]})})
 
 
@@ -75,6 +82,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         initial_state={LATENT_KEY: np.zeros(extra["latents"], np.float32)},
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         downlink_format=str(cfg.algorithm.downlink),
+        reply=str(cfg.algorithm.get("reply", "full")),
         **uplink_kwargs(cfg.algorithm),
     )
 

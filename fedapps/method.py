@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class Update:
     metrics: dict
     arrays: ArrayRecord
     records: dict[str, ConfigRecord] = field(default_factory=dict)
+    content: RecordDict | None = None  # a reply form of the method's own, sent as it is (FLITE's compact reply)
 
 
 @dataclass(frozen=True)

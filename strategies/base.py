@@ -358,6 +358,10 @@ class PayloadFedAvg(FedAvg):
             raise PayloadError(f"the payload carries {nbytes} bytes, more than the {self.uplink_budget} "
                                f"its format '{self.uplink_format}' allows")
 
+    def reply_metrics(self, msg: Message, phase: str = "train") -> dict:
+        """A reply's checked metrics (:func:`check_metrics`); a method with a reply form of its own reads them there."""
+        return check_metrics(msg.content)
+
     def check_reply_records(self, msg: Message) -> None:
         """A method's own checks of a training reply's other records (e.g. FLITE's fingerprint),
         run before its payload is read, with secure aggregation or without; PayloadError if bad."""
@@ -520,7 +524,7 @@ class PayloadFedAvg(FedAvg):
     def _account_upload(self, node_id: int, msg: Message, reply_metrics: dict) -> None:
         """An accepted training reply's bytes (payload, Flower's count, the wire) and metrics, in the round's record."""
         client = self._client(node_id)
-        client["uplink_payload_bytes"] = codec.payload_bytes(msg.content.array_records[self.arrayrecord_key])
+        client["uplink_payload_bytes"] = codec.payload_bytes(self.reply_record(msg)[0])
         client["uplink_message_bytes"] = codec.message_bytes(msg.content)
         try:  # a measurement: whatever a reply holds, it must not stop the round
             client["uplink_wire_bytes"] = codec.wire_bytes(msg)
@@ -724,7 +728,7 @@ class PayloadFedAvg(FedAvg):
                 continue
             seen_nodes.add(node_id)
             try:
-                metrics = check_metrics(msg.content)
+                metrics = self.reply_metrics(msg, phase)
             except PayloadError as err:
                 self._refuse(node_id, str(err), kind="metrics", phase=phase)
                 continue

@@ -168,3 +168,86 @@ def test_block_wise_int4_latents_are_800_bytes_both_ways_and_averaged():
     assert np.abs(z[:64] - a[:64]).max() <= 2 * small / 15 + 1e-9  # within one step of the block's own range
     one_scale = codec.decode(codec.encode({"z": a}, "int4"))["z"]
     assert np.abs(one_scale[:64] - a[:64]).max() > 10 * np.abs(z[:64] - a[:64]).max()
+
+
+# ---------------------------------------------------------------------------- the compact reply
+def compact_strategy(**kw):
+    return FliteStrategy(fingerprint="abcd", initial_state={"z": np.zeros(1280, np.float32)}, config_yaml="x: 1\n",
+                         num_clients=2, uplink_format="int4", downlink_format="int4", uplink="delta",
+                         reply="compact", **kw)
+
+
+def compact_reply(node, latents, n=10, **changes):
+    from strategies.flite import compact_content
+
+    content = compact_content(codec.encode({"z": latents}, "int4"), n)
+    for key, value in changes.items():
+        content["z"][key] = value
+    return Message(content, reply_to=Message(RecordDict({}), dst_node_id=node, message_type="train"))
+
+
+def test_a_compact_reply_is_under_1500_wire_bytes_and_averages_exactly_as_a_full_one():
+    a, b = np.linspace(-0.1, 0.1, 1280).astype(np.float32), np.linspace(0.2, -0.05, 1280).astype(np.float32)
+    full, compact = strategy(uplink="delta"), compact_strategy()
+    arrays_full, _ = full.aggregate_train(1, [reply(1, a, n=10), reply(2, b, n=30)])
+    arrays_compact, _ = compact.aggregate_train(1, [compact_reply(1, a, 10), compact_reply(2, b, 30)])
+    assert np.array_equal(full.global_state["z"], compact.global_state["z"])
+    assert np.array_equal(codec.decode(arrays_full)["z"], codec.decode(arrays_compact)["z"])
+    client = compact._round["clients"]["1"]
+    assert client["uplink_payload_bytes"] == 648 and client["train_num-examples"] == 10
+    assert client["uplink_wire_bytes"] < 1500 < full._round["clients"]["1"]["uplink_wire_bytes"]
+    assert client["uplink_wire_bytes"] == codec.wire_bytes(compact_reply(1, a, 10))
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda z: reply(1, z), "this run's replies are compact"),  # a full reply in a compact run
+    (lambda z: compact_reply(1, z, extra=1), "holds 'z' (bytes) and 'num-examples'"),
+    (lambda z: compact_reply(1, z, z="not bytes"), "holds 'z' (bytes)"),
+    (lambda z: compact_reply(1, z, z=b"\0" * 647), "carries 647 bytes"),
+    (lambda z: compact_reply(1, z, **{"num-examples": 0}), "positive integer"),
+    (lambda z: compact_reply(1, z, **{"num-examples": "10"}), "positive integer"),
+    (lambda z: compact_reply(1, z, **{"num-examples": True}), "positive integer"),
+])
+def test_a_malformed_compact_reply_is_refused_and_the_state_is_unchanged(make, reason):
+    s = compact_strategy()
+    arrays, _ = s.aggregate_train(1, [make(np.ones(1280, np.float32) * 0.1)])
+    assert arrays is None and not s.global_state["z"].any()
+    assert reason in s._round["refused"][0]["reason"], s._round["refused"]
+
+
+def test_a_full_run_refuses_a_compact_reply_and_compact_is_refused_with_secure_aggregation():
+    s = strategy(uplink="delta")
+    s.aggregate_train(1, [compact_reply(1, np.ones(1280, np.float32) * 0.1)])
+    assert "but this run's replies are full" in s._round["refused"][0]["reason"]
+    from fedapps.config import ConfigError
+
+    with pytest.raises(ConfigError, match="compact reply"):
+        compose(["algorithm.reply=compact", "secure_aggregation.enabled=true"], algorithm="flite", preset="test")
+    with pytest.raises(ConfigError, match="algorithm.reply must be one of"):
+        compose(["algorithm.reply=tiny"], algorithm="flite", preset="test")
+
+
+def test_compact_clients_train_and_the_server_learns_from_their_replies():
+    """The real ClientApp in this process: compact replies (z's bytes + num-examples, nothing else)
+    move the model as full replies do, and a client refuses a server of another parametrisation."""
+    from fedapps import registry
+    from fedapps.config import to_yaml
+    from inprocess import context, evaluate_round, train_round
+
+    cfg = compose(["algorithm.reply=compact", "train.local_steps=3"], algorithm="flite", preset="test")
+    strategy = registry.get("flite").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    nodes = {1: context(1), 2: context(2)}
+    losses = [evaluate_round(cfg, strategy, 0, nodes)["loss"]]
+    for server_round in (1, 2):
+        replies = train_round(cfg, strategy, server_round, nodes)
+        assert [sorted(r.content) for r in replies] == [["z"], ["z"]]
+        assert all(codec.wire_bytes(r) < 1500 for r in replies)
+        strategy.aggregate_train(server_round, replies)
+        assert not strategy._round["refused"]
+        losses.append(evaluate_round(cfg, strategy, server_round, nodes)["loss"])
+    assert losses[-1] < losses[0], losses
+    strategy.fingerprint = "0" * 16  # a server of another parametrisation: the client refuses to train
+    from fedapps.session import ClientSetupError
+
+    with pytest.raises(ClientSetupError, match="fingerprint 0000000000000000 differs"):
+        train_round(cfg, strategy, 3, {1: nodes[1]})

@@ -123,3 +123,15 @@ def test_absolute_uplinks_step_on_the_mean_update():
     new = codec.decode(arrays)
     for key in STATE:  # the mean update is 3 − global; fedavgm's first step is lr times it
         assert new[key] == pytest.approx(STATE[key] + 0.5 * (3.0 - STATE[key]))
+
+
+def test_the_config_refuses_a_bad_optimizer_and_one_smartfed_cannot_use():
+    from fedapps.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match="unknown server optimizer 'fedadm'"):
+        compose(["strategy.server_optimizer.name=fedadm"], preset="test")
+    with pytest.raises(ConfigError, match="smartfed.*not supported"):
+        compose(["strategy.server_optimizer.name=fedadam"], preset="test", algorithm="smartfed")
+    cfg = compose(["strategy.server_optimizer.name=fedyogi", "strategy.server_optimizer.lr=0.01"], preset="test",
+                  algorithm="flite")
+    assert cfg.strategy.server_optimizer.name == "fedyogi"
