@@ -8,8 +8,9 @@ before its numbers are read.
 
 Two reply forms (``algorithm.reply``): ``full`` — z in the ArrayRecord ``arrays``, the
 metrics (loss, partition id, timings) and the fingerprint record; ``compact`` — one
-ConfigRecord ``z`` holding z's wire bytes and ``num-examples``, nothing else (1,489
-bytes on Flower 1.42's wire against 2,894: ``bench/wire_bytes.py``). A compact reply drops
+ConfigRecord ``z`` holding z's wire bytes and ``num-examples``, nothing else (1,669
+bytes on Flower 1.42's wire in a deployment against 3,106; Flower's own floor, z alone, is
+1,648: ``bench/wire_bytes.py``). A compact reply drops
 the training metrics and leaves the fingerprint to the client, which refuses to train
 under a server whose fingerprint differs from its own (``fedapps.flite``); the server
 rebuilds z's Array from the run's layout and wire format and screens it like any other.
