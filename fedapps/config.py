@@ -417,12 +417,17 @@ def _apply_channel(cfg: DictConfig) -> None:
 
 
 def _check_uplink(algorithm) -> None:
-    """``algorithm.payload`` / ``uplink`` / ``compression`` make a format the strategy accepts."""
+    """``algorithm.payload`` / ``downlink`` / ``uplink`` / ``compression`` make formats the strategy accepts."""
     from strategies.compress import UPDATE_FORMATS, check_format
+
+    from strategies.codec import FORMATS
 
     fmt = str(algorithm.get("payload", "fp32"))
     if fmt not in UPDATE_FORMATS:
         raise ConfigError(f"algorithm.payload '{fmt}' is not a payload format; valid: {', '.join(UPDATE_FORMATS)}")
+    if "downlink" in algorithm and str(algorithm.downlink) not in FORMATS:
+        raise ConfigError(f"algorithm.downlink '{algorithm.downlink}' is not a downlink format; valid: "
+                          f"{', '.join(FORMATS)}")
     if fmt in ("topk", "powersgd"):
         if fmt not in (algorithm.get("channels") or []) and algorithm.name not in ("topk-ef", "powersgd") \
                 or str(algorithm.get("uplink", "absolute")) != "delta":

@@ -247,6 +247,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         backbone_fingerprint=fingerprint,
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
         uplink_format=str(a.payload),
+        downlink_format=str(a.get("downlink", "fp32")),
         latent=channel_factory(cfg),
         router_rounds=a.get("router_rounds"),
     )
