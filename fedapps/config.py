@@ -223,6 +223,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_router_rounds(cfg.algorithm)
     _check_server_optimizer(cfg)
     _check_reply(cfg.algorithm)
+    _check_importance(cfg.algorithm)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -321,6 +322,16 @@ def _check_server_optimizer(cfg: DictConfig) -> None:
     if cfg.algorithm.name == "smartfed" and not settings.plain:
         raise ConfigError(f"algorithm 'smartfed' applies its sparse expert updates as they are; "
                           f"strategy.server_optimizer.name={settings.name!r} is not supported (use fedavg)")
+
+
+def _check_importance(algorithm) -> None:
+    """SmartFed's ``algorithm.importance``: usage or sensitivity (clients.smartfed.more)."""
+    if "importance" not in algorithm:
+        return
+    from clients.smartfed.more import IMPORTANCE_MODES
+
+    if algorithm.importance not in IMPORTANCE_MODES:
+        raise ConfigError(f"algorithm.importance must be one of {list(IMPORTANCE_MODES)}, got {algorithm.importance!r}")
 
 
 def _check_reply(algorithm) -> None:

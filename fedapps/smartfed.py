@@ -71,6 +71,7 @@ def more_config(cfg) -> MoREConfig:
         gate_mode=str(a.gate_mode),
         router_std=float(a.router_std),
         importance_decay=float(a.importance_decay),
+        importance=str(a.get("importance", "usage")),
     )
 
 

@@ -172,6 +172,35 @@ def test_importance_is_gate_mass_times_output_norm(backbone, pooled, tokens):
     np.testing.assert_allclose(reported[1], want.detach().numpy(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_sensitivity_importance_is_the_loss_change_of_removing_each_expert_to_first_order(
+        backbone, pooled, tokens, checkpointed):
+    """importance=sensitivity: |dL/dα_i| for α_i scaling expert i's output, measured by the layer
+    from the gradient at its output; the same derivative through the experts' own parameters,
+    Σ_o B[o,i]·∂L/∂B[o,i], must agree — with activation checkpointing too (the replay in
+    backward measures nothing twice). Eval forwards measure nothing."""
+    model = more_model(backbone, pooled["experts"], top_k=2, router_std=0.5, importance="sensitivity",
+                       active={Q0: [1, 3, 4]})
+    if checkpointed:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    layer = more_modules(model)[Q0]
+    with torch.no_grad():
+        model(tokens)
+    assert torch.isnan(layer.importance).all()
+    model(tokens, labels=tokens).loss.backward()
+    idx = layer.active_idx
+    want = (layer.expert_B.detach()[:, idx] * layer.expert_B.grad[:, idx]).sum(0).abs()
+    assert float(want.min()) > 0
+    torch.testing.assert_close(layer.importance[idx], want, rtol=1e-4, atol=1e-9)
+    assert torch.isnan(layer.importance[[0, 2, 5]]).all() and layer.importance_steps[idx].tolist() == [1, 1, 1]
+
+
+def test_an_unknown_importance_mode_is_refused():
+    with pytest.raises(ValueError, match="importance must be one of"):
+        MoREConfig(importance="gain")
+
+
 def test_active_state_round_trip_through_the_wire(backbone, pooled, tokens):
     """Server state -> downlink -> client without the pool -> local step -> sparse update -> FedAvg."""
     experts = pooled["experts"]

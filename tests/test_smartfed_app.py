@@ -467,3 +467,24 @@ def test_an_int4_downlink_sends_the_expert_values_in_int4_and_clients_train_from
     strategy.aggregate_train(1, replies)
     assert strategy._round["accepted"] == 2, strategy._round["refused"]
     assert any(not np.array_equal(A[m], strategy.state.A[m]) for m in A)
+
+
+def test_sensitivity_importance_reaches_eeqa_from_real_clients(tiny, tmp_path):
+    """algorithm.importance=sensitivity: the clients' replies carry a finite importance per active
+    expert (measured in backward), the server accepts them and EEQA reallocates from them."""
+    from fedapps.config import ConfigError
+    from fedapps.smartfed import plan_server
+    from inprocess import context, fake_pool, train_round
+
+    _, model, _ = tiny
+    with pytest.raises(ConfigError, match="importance must be one of"):
+        compose(["algorithm.importance=gain"], algorithm="smartfed", preset="test")
+    cfg = compose([f"algorithm.pool={fake_pool(tmp_path, model)}", "algorithm.importance=sensitivity",
+                   "train.local_steps=2"], algorithm="smartfed", preset="test")
+    strategy = plan_server(cfg, on_round_end=None, config_yaml="").strategy
+    replies = train_round(cfg, strategy, 1, {1: context(1), 2: context(2)})
+    reported = [v for r in replies for k, v in codec.decode(r.content["arrays"]).items() if k.endswith("/importance")]
+    assert reported and all(np.all(np.isfinite(v[1])) and np.all(v[1] >= 0) for v in reported)
+    assert any(np.any(v[1] > 0) for v in reported)
+    strategy.aggregate_train(1, replies)
+    assert strategy._round["accepted"] == 2, strategy._round["refused"]

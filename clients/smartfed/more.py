@@ -28,9 +28,14 @@ Training modes (``MoREConfig.mode``): ``"experts+router"`` trains experts' A/B a
 router (the seed's SmartFed); ``"router-only"`` freezes the experts and trains the router
 (the published paper's variant). The backbone is always frozen.
 
-Importance (for EEQA): during training, each forward updates per active expert an EMA of
-``mean_tokens ‖g_i(x) E_i(x)‖ = mean_t |g_ti (A_i x_t)| · ‖B_i‖`` — gate mass × expert
-output norm, from tensors the forward already has. :func:`importance_state` reports it.
+Importance (for EEQA), ``MoREConfig.importance``: ``"usage"`` (default) — during training,
+each forward updates per active expert an EMA of ``mean_tokens ‖g_i(x) E_i(x)‖ =
+mean_t |g_ti (A_i x_t)| · ‖B_i‖`` — gate mass × expert output norm, from tensors the
+forward already has. ``"sensitivity"`` — the seed's marginal gain, to first order: each
+training step's backward gives ``|Σ_t ∂L/∂z_ti · z_ti|`` (``z_ti = g_ti A_i x_t``), the
+change of the batch's loss if expert i's output were removed (``d L(α·E_i)/dα`` at α = 1;
+AdaLoRA's sensitivity taken per expert), EMA'd over the round's steps; the proxy is the
+training batch, not a held-out set. :func:`importance_state` reports either.
 A *training forward* is one in train mode or with gradients enabled (``clients.train``
 trains in eval mode, to keep dropout off); evaluation under ``torch.no_grad()`` in eval
 mode measures nothing.
@@ -62,6 +67,7 @@ from strategies.sparse import ExpertLayout, MatrixLayout, group, importance_repo
 
 __all__ = [
     "GATE_MODES",
+    "IMPORTANCE_MODES",
     "MODES",
     "ExpertSet",
     "MoREConfig",
@@ -80,6 +86,7 @@ __all__ = [
 ]
 
 GATE_MODES = ("softmax", "softmax-raw", "ones")
+IMPORTANCE_MODES = ("usage", "sensitivity")
 MODES = ("experts+router", "router-only")
 
 
@@ -93,6 +100,7 @@ class MoREConfig:
         gate_mode: ``"softmax"``, ``"softmax-raw"`` or ``"ones"`` (see the module docstring).
         router_seed, router_std: :func:`strategies.sparse.init_router` (same bits as the server).
         importance_decay: EMA factor of the importance statistic.
+        importance: ``"usage"`` or ``"sensitivity"`` (see the module docstring).
         active: initial active expert indices per matrix (default: all experts active).
     """
 
@@ -102,6 +110,7 @@ class MoREConfig:
     router_seed: int = 0
     router_std: float = 0.02
     importance_decay: float = 0.9
+    importance: str = "usage"
     active: Mapping[str, Sequence[int]] | None = None
 
     def __post_init__(self):
@@ -113,6 +122,8 @@ class MoREConfig:
             raise ValueError(f"gate_mode must be one of {GATE_MODES}, got {self.gate_mode!r}")
         if not 0.0 <= self.importance_decay < 1.0:
             raise ValueError(f"importance_decay must be in [0, 1), got {self.importance_decay}")
+        if self.importance not in IMPORTANCE_MODES:
+            raise ValueError(f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}")
 
     @property
     def train_experts(self) -> bool:
@@ -132,6 +143,7 @@ class MoRELinear(nn.Module):
         gate_mode: see the module docstring.
         train_experts: whether A/B are trainable (False = router-only).
         importance_decay: EMA factor for :attr:`importance`.
+        importance_mode: ``"usage"`` or ``"sensitivity"`` (the module docstring).
     """
 
     def __init__(
@@ -146,6 +158,7 @@ class MoRELinear(nn.Module):
         gate_mode: str = "softmax",
         train_experts: bool = True,
         importance_decay: float = 0.9,
+        importance_mode: str = "usage",
     ):
         super().__init__()
         if not isinstance(base, nn.Linear):
@@ -154,6 +167,8 @@ class MoRELinear(nn.Module):
             raise ValueError(f"gate_mode must be one of {GATE_MODES}, got {gate_mode!r}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if importance_mode not in IMPORTANCE_MODES:
+            raise ValueError(f"importance_mode must be one of {IMPORTANCE_MODES}, got {importance_mode!r}")
         device = base.weight.device
         A = torch.as_tensor(experts_A, dtype=torch.float32).to(device)
         B = torch.as_tensor(experts_B, dtype=torch.float32).to(device)
@@ -179,6 +194,7 @@ class MoRELinear(nn.Module):
         self.top_k = int(top_k)
         self.gate_mode = gate_mode
         self.importance_decay = float(importance_decay)
+        self.importance_mode = importance_mode
         self.register_buffer("active_idx", torch.arange(E, device=device))
         self.register_buffer("importance_ema", torch.zeros(E, device=device))
         self.register_buffer("importance_steps", torch.zeros(E, dtype=torch.long, device=device))
@@ -257,7 +273,11 @@ class MoRELinear(nn.Module):
         # a training forward (see the module docstring), but not the replay of a checkpointed
         # layer inside backward (train.grad_checkpointing), which would count the step twice
         if (self.training or torch.is_grad_enabled()) and torch._C._current_graph_task_id() == -1:
-            self._track_importance(z, B)
+            if self.importance_mode == "usage":
+                self._track_importance(z, B)
+            elif z.requires_grad:  # sensitivity: measured from this forward's gradient, in backward
+                idx, kept = self.active_idx.clone(), z.detach()
+                z.register_hook(lambda grad: self._update_importance(idx, (grad.float() * kept.float()).sum(0).abs()))
         mixture = z @ B.t()
         return y + mixture.reshape(*x.shape[:-1], self.out_features).to(y.dtype)
 
@@ -266,8 +286,11 @@ class MoRELinear(nn.Module):
     @torch.no_grad()
     def _track_importance(self, z: torch.Tensor, B: torch.Tensor) -> None:
         # ‖g_ti E_i(x_t)‖ = |g_ti A_i x_t| · ‖B_i‖, averaged over the batch's tokens.
-        stat = z.detach().float().abs().mean(dim=0) * B.detach().float().norm(dim=0)
-        idx = self.active_idx
+        self._update_importance(self.active_idx, z.detach().float().abs().mean(dim=0) * B.detach().float().norm(dim=0))
+
+    @torch.no_grad()
+    def _update_importance(self, idx: torch.Tensor, stat: torch.Tensor) -> None:
+        """One step's statistic of the active experts ``idx`` into their EMA."""
         first = self.importance_steps[idx] == 0
         d = self.importance_decay
         old = self.importance_ema[idx]
@@ -276,7 +299,7 @@ class MoRELinear(nn.Module):
 
     @property
     def importance(self) -> torch.Tensor:
-        """Per expert ``(E,)``: the EMA of gate mass × output norm; NaN if not measured."""
+        """Per expert ``(E,)``: the EMA of gate mass × output norm (or of the sensitivity); NaN if not measured."""
         measured = self.importance_steps > 0
         return torch.where(measured, self.importance_ema, torch.full_like(self.importance_ema, float("nan")))
 
@@ -346,6 +369,7 @@ def apply_more(
             gate_mode=config.gate_mode,
             train_experts=config.train_experts,
             importance_decay=config.importance_decay,
+            importance_mode=config.importance,
         )
         if config.active is not None and name in config.active:
             layer.set_active(config.active[name])
