@@ -92,7 +92,8 @@ def report(results: dict) -> str:
         f"Pool: {', '.join(results['pool_adapters'])} ({results['pool']}); the target's data "
         f"({results['target_data']}) is in none of them. {results['clients']} clients, {results['rounds']} rounds × "
         f"{results['steps']} local steps, lr {results['lr']}, seeds {', '.join(seeds)} (n = {n}; ± = 95% "
-        "t-interval over seeds).",
+        "t-interval over seeds)." + (f" SmartFed with `{results['smartfed_overrides']}`."
+                                     if results.get("smartfed_overrides") else ""),
         "",
         f"## {metric} by round (mean over seeds)",
         "",
@@ -150,12 +151,14 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-PROTOCOL = ("model", "target", "target_data", "rounds", "clients", "steps", "lr", "pool_adapters", "metric")
+PROTOCOL = ("model", "target", "target_data", "rounds", "clients", "steps", "lr", "pool_adapters", "metric",
+            "smartfed_overrides")
 
 
 def merge(parts: list[dict]) -> dict:
     """One result from parts run at different times (seeds split over sessions): the same
     protocol, their seeds united (a later part's seed replaces an earlier one's)."""
+    parts = [{"smartfed_overrides": "", **part} for part in parts]  # parts written before the option: none
     first = parts[0]
     for part in parts[1:]:
         differ = [k for k in PROTOCOL if part.get(k) != first.get(k)]
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "onboarding"))
     parser.add_argument("--runs-dir", default=None,
                         help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-onboarding/)")
+    parser.add_argument("--smartfed-overrides", default="",
+                        help='Hydra overrides for the SmartFed runs only, e.g. "algorithm.importance=sensitivity" '
+                             '(a variant on the same protocol; with --reuse-runs the FedAvg-LoRA runs are read)')
     parser.add_argument("--reuse-runs", action="store_true",
                         help="read a completed run folder in RUNS_DIR whose config.yaml is exactly the run's "
                              "instead of running it again (e.g. after an interrupted part)")
@@ -221,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"model {args.model} is a random init drawn from the seed: the pool's adapters fit seed 42 "
                      "only (--seeds 1)")
     held = check_unseen(pool_path, target)
-    smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]"]
+    smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]",
+                *shlex.split(args.smartfed_overrides)]
 
     seeds: dict[str, dict] = {}
     for seed in args.seed_list or range(42, 42 + args.seeds):
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"), "wall_minutes": (time.time() - start) / 60,
         "model": args.model, "target": args.task, "target_data": json.dumps(data), "rounds": args.rounds,
         "clients": args.clients, "steps": args.steps, "lr": args.lr, "pool": str(pool_path), "pool_adapters": held,
-        "metric": metric, "targets": args.targets or default_targets(seeds, args.rounds),
+        "metric": metric, "smartfed_overrides": args.smartfed_overrides,
+        "targets": args.targets or default_targets(seeds, args.rounds),
         "targets_given": bool(args.targets), "seeds": seeds,
     }
     return write_outputs(out, "onboarding", results, plot, report)

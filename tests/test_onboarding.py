@@ -98,6 +98,12 @@ def test_parts_merge_into_one_benchmark_and_other_protocols_are_refused():
     b["rounds"] = 8
     with pytest.raises(SystemExit, match="rounds"):
         onboarding.merge([a, b])
+    b["rounds"] = 3  # a SmartFed variant is another benchmark; a part from before the option has none
+    b["smartfed_overrides"] = "algorithm.importance=sensitivity"
+    with pytest.raises(SystemExit, match="smartfed_overrides"):
+        onboarding.merge([a, b])
+    b["smartfed_overrides"] = ""
+    assert list(onboarding.merge([a, b])["seeds"]) == ["42", "43"]
 
 
 def test_merge_of_a_missing_part_is_a_usage_error(tmp_path, capsys):
