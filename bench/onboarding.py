@@ -66,6 +66,18 @@ def reaching(run: dict, goal: float, higher: bool) -> tuple[int | None, float | 
     return first, (None if first is None else run["cumulative_uplink_bytes"][str(first)])
 
 
+def within_bytes(runs: dict, r: int) -> int | None:
+    """SmartFed's last round whose cumulative uplink bytes are at most FedAvg-LoRA's after round ``r``
+    (None if one more SmartFed round, as large as its last, would still fit: its run ended too soon
+    to say which of its rounds FedAvg-LoRA's bytes would have paid for)."""
+    budget = runs["fedavg-lora"]["cumulative_uplink_bytes"][str(r)]
+    sent = {int(k): v for k, v in runs["smartfed"]["cumulative_uplink_bytes"].items()}
+    last = max(sent)
+    if sent[last] + (sent[last] - sent.get(last - 1, 0)) <= budget:
+        return None
+    return max(k for k, v in sent.items() if v <= budget)
+
+
 def default_targets(seeds: dict, rounds: int) -> list[float]:
     """FedAvg-LoRA's metric halfway through the runs, averaged over seeds."""
     halfway = str(max(1, rounds // 2))
@@ -120,7 +132,21 @@ def report(results: dict) -> str:
                      if s[0] is not None and f[0] is not None]
             cells.append(fmt(*mean_interval(pairs), digits) + f" (n = {len(pairs)})" if pairs else "–")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "![metric by round, every seed](onboarding.png)", "",
+    lines += ["", "## At equal uplink bytes", "",
+              "SmartFed's metric after its last round whose cumulative uplink bytes per client are within "
+              "FedAvg-LoRA's after round r (same seed), against FedAvg-LoRA's at round r:", "",
+              "| FedAvg-LoRA round | bytes per client | fedavg-lora | smartfed (its round) | smartfed − fedavg-lora, "
+              "paired |", "|---|---:|---:|---:|---:|"]
+    for r in range(1, results["rounds"] + 1):
+        pairs = [within_bytes(runs, r) for runs in seeds.values()]
+        if any(p is None for p in pairs):
+            break  # SmartFed's run ended before FedAvg-LoRA's bytes of round r
+        budget = statistics.fmean(runs["fedavg-lora"]["cumulative_uplink_bytes"][str(r)] for runs in seeds.values())
+        base = [runs["fedavg-lora"]["metric_by_round"][str(r)] for runs in seeds.values()]
+        ours = [runs["smartfed"]["metric_by_round"][str(k)] for runs, k in zip(seeds.values(), pairs)]
+        lines.append(f"| {r} | {budget:,.0f} | {fmt(*mean_interval(base))} | {fmt(*mean_interval(ours))} "
+                     f"({', '.join(map(str, pairs))}) | {fmt(*mean_interval([a - b for a, b in zip(ours, base)]))} |")
+    lines += ["", "![metric by round and by cumulative uplink bytes, every seed](onboarding.png)", "",
               "Uplink bytes per client and round: " + ", ".join(
                   f"{m} {statistics.fmean(runs[m]['uplink_bytes_per_client_round'] for runs in seeds.values()):,.0f}"
                   for m in METHODS) + ".", ""]
@@ -133,19 +159,24 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, (ax, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for method, colour in zip(METHODS, ("tab:blue", "tab:orange")):
         for i, runs in enumerate(results["seeds"].values()):
-            values = runs[method]["metric_by_round"]
+            values, sent = runs[method]["metric_by_round"], runs[method]["cumulative_uplink_bytes"]
             rounds = sorted(values, key=int)
+            label = method if i == 0 else None
             ax.plot([int(r) for r in rounds], [values[r] for r in rounds], color=colour, alpha=0.7, marker="o",
-                    label=method if i == 0 else None)
-    for goal in results["targets"]:
-        ax.axhline(goal, color="grey", linestyle="--", linewidth=1)
+                    label=label)
+            by_bytes.plot([sent.get(r, 0) / 1e6 for r in rounds], [values[r] for r in rounds], color=colour,
+                          alpha=0.7, marker="o", label=label)
+    for axis in (ax, by_bytes):
+        for goal in results["targets"]:
+            axis.axhline(goal, color="grey", linestyle="--", linewidth=1)
+        axis.grid(alpha=0.3)
+        axis.legend()
     ax.set(xlabel="round", ylabel=results["metric"], title=f"{results['target']}: a new domain joins")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    by_bytes.set(xlabel="cumulative uplink MB per client", title="the same runs against the bytes each client sent")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -187,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", default=None, metavar="ONBOARDING_JSON",
                         help="no runs: one report (OUT) from the onboarding.json of parts of one benchmark")
     parser.add_argument("--targets", type=float, nargs="+", default=None,
-                        help="metric values to reach (default: FedAvg-LoRA's mean metric halfway through)")
+                        help="metric values to reach (default: FedAvg-LoRA's mean metric halfway through; "
+                             "with --merge: the merged report's)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "onboarding"))
     parser.add_argument("--runs-dir", default=None,
                         help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-onboarding/)")
@@ -211,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             parts = [json.loads(Path(p).read_text()) for p in args.merge]
         except (OSError, ValueError) as err:
             parser.error(f"--merge: {err}")
-        return write_outputs(out, "onboarding", merge(parts), plot, report)
+        merged = merge(parts)
+        if args.targets:  # targets of the merged report's own
+            merged["targets"], merged["targets_given"] = list(args.targets), True
+        return write_outputs(out, "onboarding", merged, plot, report)
     runs_dir = Path(args.runs_dir or Path(os.environ.get("POSTCARD_OUTPUTS") or ROOT / "outputs") / "bench-onboarding")
     runs_dir = runs_dir.expanduser().resolve()
     common = [f"model={args.model}", f"output_dir={runs_dir}"]

@@ -134,3 +134,13 @@ def test_only_a_completed_run_of_exactly_this_configuration_is_reused(tmp_path):
     assert finished_run(cfg) is None
     folder("part-s42-3", to_yaml(cfg), "completed")
     assert finished_run(cfg)["run_dir"] == "part-s42-3"
+
+
+def test_equal_bytes_pairs_each_seed_with_smartfeds_last_round_within_fedavg_loras_bytes():
+    runs = results()["seeds"]["42"]  # fedavg-lora 1,000 B a round, smartfed 300 B a round, 3 rounds
+    assert onboarding.within_bytes(runs, 1) == 3  # 900 B <= 1,000 B
+    assert onboarding.within_bytes(runs, 2) is None  # smartfed's 3 rounds sent 900 B < 2,000 B: cut short
+    text = onboarding.report(results(targets=[42.0]))
+    # round 1 of fedavg-lora (45, 47) against smartfed's round 3 (36, 43): paired −9 and −4
+    assert "| 1 | 1,000 | 46.00 ± 12.71 | 39.50 ± 44.47 (3, 3) | -6.50 ± 31.77 |" in text
+    assert "| 2 | 2,000 |" not in text
