@@ -6,7 +6,8 @@ Collects, in this order, whatever each benchmark script last wrote: ``docs/bench
 demo.md`` (``python -m postcard.demo --report docs/bench/demo``), ``docs/bench/flite/
 flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py --base public),
 ``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (bench/fednl.py
---write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py) and
+--write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py),
+``docs/bench/onboarding/`` (bench/onboarding.py, in parts) and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py), ``docs/bench/fuzz_table.md`` and
 ``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
 (bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py), ``docs/bench/overhead/overhead.md``
@@ -47,6 +48,9 @@ REPORTS = (
      "bench/smartfed.py --smartfed-overrides ... --out docs/bench/smartfed-int4 (see Makefile)", None),
     ("SmartFed vs FedAvg-LoRA, both at lr 3e-3", DOCS / "bench" / "smartfed-lr3" / "smartfed.md",
      "bench/smartfed.py --lr 3e-3 --memory-steps 0 ... --out docs/bench/smartfed-lr3 (see Makefile)", None),
+    ("SmartFed onboarding a new domain, 3 seeds × 4 clients × 8 rounds", DOCS / "bench" / "onboarding" / "onboarding.md",
+     "bench/onboarding.py --clients 4 --rounds 8 --seed-list 42|43|44 ..., then --merge (made in parts: docs/smartfed.md)",
+     None),
     ("Uplink bytes of the baselines", DOCS / "bench" / "baseline_bytes.md", "bench/baseline_bytes.py", None),
     ("Hostile replies: every kind through every strategy", DOCS / "bench" / "fuzz_table.md", "bench/fuzz_table.py",
      None),

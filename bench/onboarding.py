@@ -1,6 +1,6 @@
 """Onboarding a new domain: SmartFed from a knowledge pool vs FedAvg-LoRA from scratch, over seeds.
 
-    .venv/bin/python bench/onboarding.py                        # SmolLM2, 3 seeds (~8 min a seed on 2 cores)
+    .venv/bin/python bench/onboarding.py --clients 4 --rounds 8 --seeds 3   # SmolLM2, the docs protocol (~35 min a seed)
     .venv/bin/python bench/onboarding.py --model tiny-llama --seeds 1 --rounds 2 --steps 2 \\
         --pool-sources shakespeare-histories --pool-rounds 1 --pool-steps 2 --out /tmp/onboarding-smoke
     .venv/bin/python bench/onboarding.py --seed-list 42 --out /tmp/part-42     # in parts (a seed a session) ...
