@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                         help='Hydra overrides for the SmartFed runs only, e.g. "algorithm.importance=sensitivity" '
                              '(a variant on the same protocol; with --reuse-runs the FedAvg-LoRA runs are read)')
     parser.add_argument("--reuse-runs", action="store_true",
-                        help="read a completed run folder in RUNS_DIR whose config.yaml is exactly the run's "
+                        help="read a completed run folder in RUNS_DIR of the same configuration (options added since at "
+                             "their defaults) "
                              "instead of running it again (e.g. after an interrupted part)")
     args, extra = parser.parse_known_args(argv)
     extra = [e for e in extra if e != "--"]

@@ -198,19 +198,42 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def finished_run(cfg) -> dict | None:
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def same_run(saved_yaml: str, cfg, overrides: list[str]) -> bool:
+    """Whether a run folder's ``config.yaml`` is this run's: every key it holds has the same value
+    here, and the keys it lacks (options added to Postcard since, whose defaults keep the old
+    behaviour) are not set by ``overrides``."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    saved = _flat(yaml.safe_load(saved_yaml) or {})
+    ours = _flat(OmegaConf.to_container(cfg, resolve=True))
+    if set(saved) - set(ours) or any(saved[k] != ours[k] for k in saved):
+        return False
+    named = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return not any(k in named or any(k.startswith(f"{n}.") for n in named) for k in set(ours) - set(saved))
+
+
+def finished_run(cfg, overrides: list[str] = ()) -> dict | None:
     """The summary of a completed run folder under the output root, named after ``cfg.run_name``
-    (or its ``-N`` siblings), whose ``config.yaml`` is exactly ``cfg``'s; None if there is none."""
-    from fedapps.config import to_yaml
+    (or its ``-N`` siblings), whose ``config.yaml`` is this run's (:func:`same_run`); None if none."""
     from fedapps.outputs import output_root
 
-    root, name, wanted = output_root(cfg), str(cfg.run_name), to_yaml(cfg)
+    root, name = output_root(cfg), str(cfg.run_name)
     for folder in sorted(root.glob(f"{name}*")):
         if folder.name != name and not (folder.name[len(name):].startswith("-") and folder.name[len(name) + 1:].isdigit()):
             continue
         try:
             summary = json.loads((folder / "summary.json").read_text())
-            same = (folder / "config.yaml").read_text() == wanted
+            same = same_run((folder / "config.yaml").read_text(), cfg, list(overrides))
         except (OSError, ValueError):
             continue
         if same and summary.get("status") == "completed":
@@ -224,9 +247,9 @@ def run_one(name: str, overrides: list[str], reuse: bool = False) -> dict:
     from fedapps.simulation import simulate
 
     cfg = compose(overrides, algorithm=name)
-    summary = finished_run(cfg) if reuse else None
+    summary = finished_run(cfg, overrides) if reuse else None
     if summary is not None:
-        print(f"== {name}: reusing the completed run {summary['run_dir']} (same config.yaml)", flush=True)
+        print(f"== {name}: reusing the completed run {summary['run_dir']} (same configuration)", flush=True)
         summary["reused"] = True
     else:
         print(f"== {name}: {' '.join(overrides)}", flush=True)

@@ -136,6 +136,26 @@ def test_only_a_completed_run_of_exactly_this_configuration_is_reused(tmp_path):
     assert finished_run(cfg)["run_dir"] == "part-s42-3"
 
 
+def test_a_run_from_before_an_option_existed_is_reused_unless_the_option_is_set(tmp_path):
+    import json
+
+    import yaml
+    from fedapps.config import compose, to_yaml
+    from smartfed import finished_run
+
+    overrides = ["model=tiny-llama", f"output_dir={tmp_path}", "run_name=old-s42"]
+    cfg = compose(overrides, algorithm="fedavg-lora")
+    older = yaml.safe_load(to_yaml(cfg))
+    del older["strategy"]["server_optimizer"]  # a run made before strategy.server_optimizer existed
+    (tmp_path / "old-s42").mkdir()
+    (tmp_path / "old-s42" / "config.yaml").write_text(yaml.safe_dump(older))
+    (tmp_path / "old-s42" / "summary.json").write_text(json.dumps({"status": "completed", "run_dir": "old-s42"}))
+    assert finished_run(cfg, overrides)["run_dir"] == "old-s42"
+    adam = [*overrides, "strategy.server_optimizer.name=fedadam"]
+    assert finished_run(compose(adam, algorithm="fedavg-lora"), adam) is None  # the new option is in use
+    assert finished_run(compose([*overrides, "train.lr=0.5"], algorithm="fedavg-lora")) is None  # an old key differs
+
+
 def test_equal_bytes_pairs_each_seed_with_smartfeds_last_round_within_fedavg_loras_bytes():
     runs = results()["seeds"]["42"]  # fedavg-lora 1,000 B a round, smartfed 300 B a round, 3 rounds
     assert onboarding.within_bytes(runs, 1) == 3  # 900 B <= 1,000 B
