@@ -830,7 +830,11 @@ def example_count(content: RecordDict) -> int:
     metrics = content.metric_records.get("metrics")
     if metrics is None or NUM_EXAMPLES not in metrics:
         raise PayloadError(f"no MetricRecord 'metrics' with '{NUM_EXAMPLES}'")
-    value = metrics[NUM_EXAMPLES]
+    return positive_count(metrics[NUM_EXAMPLES])
+
+
+def positive_count(value) -> int:
+    """``value`` as a reply's ``num-examples``: a positive integer (not a bool); PayloadError otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {value!r}")
     return value

@@ -21,7 +21,7 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from strategies import codec
-from strategies.base import NUM_EXAMPLES, PayloadFedAvg, example_count
+from strategies.base import NUM_EXAMPLES, PayloadFedAvg, positive_count
 from strategies.codec import PayloadError
 
 LATENT_KEY = "z"
@@ -87,7 +87,7 @@ class FliteStrategy(PayloadFedAvg):
         record = self._compact(msg) if phase == "train" else None
         if record is None:
             return super().reply_metrics(msg, phase)
-        return {NUM_EXAMPLES: example_count(RecordDict({"metrics": _counts(record)}))}
+        return {NUM_EXAMPLES: positive_count(record[NUM_EXAMPLES])}
 
     def reply_record(self, msg: Message) -> tuple[ArrayRecord, int]:
         record = self._compact(msg)
@@ -97,7 +97,7 @@ class FliteStrategy(PayloadFedAvg):
         arrays = ArrayRecord()
         arrays[LATENT_KEY] = Array(dtype="float32", shape=tuple(shape), stype=codec.FORMATS[self.uplink_format],
                                    data=record[LATENT_KEY])
-        return arrays, example_count(RecordDict({"metrics": _counts(record)}))
+        return arrays, positive_count(record[NUM_EXAMPLES])
 
     def check_reply_records(self, msg):
         if self._compact(msg) is not None:  # the client checked the server's fingerprint against its own
@@ -107,15 +107,3 @@ class FliteStrategy(PayloadFedAvg):
         if got != self.fingerprint:
             raise PayloadError(f"latent fingerprint {got!r} does not match the server's {self.fingerprint!r} "
                                "(different seed, backbone or latent layout)")
-
-
-def _counts(record: ConfigRecord):
-    """The compact record's ``num-examples`` as the MetricRecord the base screening reads (so that a
-    compact reply's count passes the same checks as a full one's)."""
-    from flwr.app import MetricRecord
-
-    value = record[NUM_EXAMPLES]
-    try:
-        return MetricRecord({NUM_EXAMPLES: value})
-    except (TypeError, ValueError) as err:
-        raise PayloadError(f"'{NUM_EXAMPLES}' must be a positive integer, got {value!r}") from err
