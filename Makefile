@@ -84,7 +84,7 @@ test: assets
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-# the deployment tests with every algorithm through the TLS cluster (make test runs four)
+# the deployment tests with every algorithm through the TLS cluster (make test sends FedNL, and SmartFed in the fault scenario)
 test-deploy-all: assets
 	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py
 

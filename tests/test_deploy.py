@@ -2,14 +2,15 @@
 
 One cluster (``postcard.deploy.LoopbackCluster``) serves the whole module: certificates and
 SuperNode keys are generated here, the keys registered with ``flwr supernode register``,
-and FedNL and SmartFed (every present algorithm with ``POSTCARD_DEPLOY_ALL=1``) run
-through ``flwr run . postcard-local`` with the tiny Llama. Then the faults: a SuperNode without a registered key is refused, a SuperNode
+and FedNL under secure aggregation (every present algorithm with ``POSTCARD_DEPLOY_ALL=1``) runs
+through ``flwr run . postcard-local`` with the tiny Llama. Then the faults, on a SmartFed run (its
+pool on the nodes): a SuperNode without a registered key is refused, a SuperNode
 killed in the middle of a round does not stop the run, and a run whose SuperLink was
 killed resumes from its last checkpoint. Every process is stopped by its pid at the end.
 
 Each ClientApp message starts a fresh process (Flower's subprocess isolation), so a run costs
 a few seconds per node and phase: about 3 minutes per algorithm on a loaded 2-core machine.
-Run a part with ``-k``, e.g. ``pytest tests/test_deploy.py -k "fedavg-lora or dead_supernode"``.
+Run a part with ``-k``, e.g. ``pytest tests/test_deploy.py -k "fednl or dead_supernode"``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ NODES = 3
 BASE = "num_clients=3 train.local_steps=2 eval.max_batches=1"
 
 
-# the app pairs exercised through the cluster by default: FedNL and SmartFed (a pool on the nodes);
-# fedavg-lora goes through it in the faults test below. Every pair shares the runner and the
+# the app pairs exercised through the cluster by default: FedNL (under secure aggregation); SmartFed
+# (a pool on the nodes) goes through it in the faults test below. Every pair shares the runner and the
 # client dispatch these runs exercise, and every method runs through `flwr run` in simulation
 # (the demo) and alone in simulation; `make test-deploy-all` (POSTCARD_DEPLOY_ALL=1) runs every
 # present algorithm through the cluster, FLITE included (~1.5 min each).
-DEFAULT_DEPLOYED = ("fednl", "smartfed")
+DEFAULT_DEPLOYED = ("fednl",)
 
 
 def present_algorithms() -> list[str]:
@@ -198,17 +199,20 @@ def test_each_algorithm_runs_through_the_tls_cluster(cluster, algorithm, tmp_pat
 
 
 # ---------------------------------------------------------------------------- faults
-def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tmp_path):
+def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tmp_path, tmp_path_factory):
     """One run, two faults (one scenario keeps the test short: every round costs a ClientApp
     process per node). Round 1: a SuperNode is killed while it trains; the round completes
     with the two others (strategy.min_clients=2) and the node is logged as missing. After
     round 1's checkpoint the SuperLink is killed with its ServerApp. Everything is restarted
-    and the same run (run_name + resume=auto) continues from round 2, not round 1."""
+    and the same run (run_name + resume=auto) continues from round 2, not round 1. The run is
+    SmartFed's: its pool opened on every node, its sparse expert payloads aggregated without the
+    dead node's."""
     out = tmp_path / "runs"
+    pool = smartfed_pool(tmp_path_factory)
     run = out / "faults"
     victim = NODES - 1
-    config = run_config("fedavg-lora", out, "rounds=2 run_name=faults resume=auto "
-                                            "strategy.min_clients=2 strategy.straggler_timeout=10")
+    config = run_config("smartfed", out, f"rounds=2 run_name=faults resume=auto {pool} "
+                                         "strategy.min_clients=2 strategy.straggler_timeout=10")
     first_log = cluster.folder / "logs" / "run-faults-1.log"
     first = cluster.submit(config, log_file=first_log)
     try:
@@ -237,8 +241,8 @@ def test_a_dead_supernode_and_a_killed_superlink_do_not_lose_the_run(cluster, tm
     cluster.wait_online(NODES)
     # the same run (run_name + resume=auto); a node may first skip the killed run's queued
     # message before it polls the new one, so the stragglers are waited for longer this time
-    config = run_config("fedavg-lora", out, "rounds=2 run_name=faults resume=auto "
-                                            "strategy.min_clients=2 strategy.straggler_timeout=120")
+    config = run_config("smartfed", out, f"rounds=2 run_name=faults resume=auto {pool} "
+                                         "strategy.min_clients=2 strategy.straggler_timeout=120")
     proc = cluster.run(config, timeout=600, log_file=cluster.folder / "logs" / "run-faults-2.log")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
