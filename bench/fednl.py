@@ -10,7 +10,13 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    of ``--local-steps`` steps; per-client and average accuracy of the last round,
    uplink/downlink payload bytes per client per round, and the aggregation drop per client
    (the client's own model before aggregation vs the federated one, same round, same test
-   questions; for the pairs that report it: FedNL, FedALA, FedSSI).
+   questions; for the pairs that report it: FedNL, FedALA, FedSSI). ``fednl:ablate`` is FedNL's
+   own ablation (the memory path off, everything else as in meta-rules mode). With
+   ``--paired`` every final model and the untrained ones (round 0) are scored item by item on
+   every client's held-out questions (``--mmlu-test`` per client; 700 gives ~2,040) and
+   compared paired (``postcard.compare``): each method against fedavg-lora (95% interval,
+   McNemar, non-inferiority at ``--margin``), FedNL against its ablation, each method against
+   its own round 0.
 2. ``niah``: 7-client needle-in-a-haystack (one template per client), FedNL (softmax
    window ``--window``, the memory carries the rest) and fedavg-lora trained on
    ``--niah-train-length``-token prompts, then every client's test prompts at
@@ -53,7 +59,8 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 SECTIONS = ("mmlu", "niah", "stream", "throughput")
-ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate")
+ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate",
+              "fednl:ablate")
 MMLU_CLIENTS = ("law_ethics", "humanities", "stem", "math_cs", "medicine_psychology")
 DOC_START, DOC_END = "<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->"
 
@@ -69,6 +76,14 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-batches", type=int, default=2, help="MMLU test batches of 8 per client (0 = all, <=200)")
     p.add_argument("--mmlu-max-length", type=int, default=256, help="MMLU prompt tokens (longer ones are cut from the left)")
+    p.add_argument("--mmlu-test", type=int, default=200,
+                   help="held-out MMLU questions per client at most (task.max_test; a sixth of a super-category "
+                        "at most: 700 gives ~2,040 over the 5 clients)")
+    p.add_argument("--paired", action="store_true",
+                   help="MMLU: also score every final model, and the untrained ones (round 0), on all held-out "
+                        "questions, item by item, and compare them paired (95%% intervals, McNemar, "
+                        "non-inferiority at --margin) against fedavg-lora and FedNL against its ablation")
+    p.add_argument("--margin", type=float, default=0.02, help="non-inferiority margin of --paired (0.02 = 2 points)")
     p.add_argument("--niah-rounds", type=int, default=1)
     p.add_argument("--niah-steps", type=int, default=3)
     p.add_argument("--niah-train-length", type=int, default=768, help="(the multi-value template needs >= ~510)")
@@ -119,10 +134,13 @@ def log(message: str) -> None:
 
 
 def algorithm_overrides(spec: str) -> tuple[str, list[str]]:
-    """'fednl:gate' -> ('fednl', ['algorithm.mode=gate']); 'fedala' -> ('fedala', [...caps])."""
+    """'fednl:gate' -> ('fednl', ['algorithm.mode=gate']); 'fednl:ablate' -> FedNL's own ablation (meta-rules
+    with the memory path off: algorithm.ablate_memory=true); 'fedala' -> ('fedala', [...caps])."""
     name, _, mode = spec.partition(":")
     overrides = []
-    if name == "fednl":
+    if name == "fednl" and mode == "ablate":
+        overrides += ["algorithm.mode=meta-rules", "algorithm.ablate_memory=true"]
+    elif name == "fednl":
         overrides.append(f"algorithm.mode={mode or 'meta-rules'}")
     elif mode:
         raise SystemExit(f"only fednl takes a mode, got '{spec}'")
@@ -159,7 +177,7 @@ def section_mmlu(args, out: Path) -> dict:
         cfg = compose(
             [*common(args), *overrides, f"model={args.model}", f"rounds={args.rounds}",
              f"train.local_steps={args.local_steps}", f"eval.max_batches={args.eval_batches}",
-             f"task.max_length={args.mmlu_max_length}", f"output_dir={out}",
+             f"task.max_length={args.mmlu_max_length}", f"task.max_test={args.mmlu_test}", f"output_dir={out}",
              f"run_name=mmlu_{spec.replace(':', '-')}"],
             preset="fednl-cpu", algorithm=name,
         )
@@ -186,6 +204,90 @@ def section_mmlu(args, out: Path) -> dict:
         log(f"MMLU {spec}: average {results[spec]['average']:.3f}, uplink {results[spec]['uplink_bytes']:,.0f} B, "
             f"{results[spec]['seconds']:.0f} s")
     return results
+
+
+ROUND0 = {"backbone": "fedavg-lora", "fednl at init": "fednl:meta-rules"}  # the untrained models, built as these
+
+
+def round0_of(spec: str) -> str:
+    """The untrained model a run starts from: FedNL's memory at init (a = 0.018) for FedNL's payload
+    modes; the bare backbone for every LoRA method and for FedNL's ablation (a = 0: the backbone, bit
+    for bit, with LoRA's B = 0; tested in tests/test_fednl_app.py)."""
+    return "fednl at init" if spec.startswith("fednl") and spec != "fednl:ablate" else "backbone"
+
+
+def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
+    """Every MMLU run's final model and the untrained ones, scored item by item on every client's
+    held-out questions (``eval.max_batches=0``; kept as ``items.npz`` in each run folder), then
+    paired: each method against fedavg-lora, FedNL's modes against its ablation, each method's final
+    model against its round 0 (how far it moved)."""
+    from fedapps.config import from_yaml
+    from fedapps.final import FinalModel, load_run
+    from postcard.compare import compare
+
+    items = {}
+    for spec, r in mmlu.items():
+        final = load_run(r["run_dir"])
+        final.cfg.eval.max_batches = 0  # every held-out question
+        log(f"MMLU paired: scoring {spec} on every held-out question")
+        items[spec] = final.items()
+        del final
+    for label, spec in ROUND0.items():
+        if not any(round0_of(s) == label for s in mmlu):
+            continue
+        source = mmlu.get(spec) or next(r for s, r in mmlu.items() if round0_of(s) == label)
+        cfg = from_yaml((Path(source["run_dir"]) / "config.yaml").read_text())
+        cfg.eval.max_batches = 0
+        model, tokenizer = load_trained(cfg, {})  # untrained: FedNL at init, or the bare backbone
+        folder = out / f"mmlu_round0_{label.replace(' ', '-')}"
+        folder.mkdir(exist_ok=True)
+        log(f"MMLU paired: scoring the round-0 model ({label})")
+        items[f"round 0: {label}"] = FinalModel(model, tokenizer, cfg, folder, {}).items()
+        del model
+    result = {"margin": args.margin, "items": len(next(iter(items.values()))["index"])}
+    if "fedavg-lora" in items:
+        result["vs_fedavg_lora"] = compare({"fedavg-lora": items["fedavg-lora"],
+                                            **{k: v for k, v in items.items() if k != "fedavg-lora"}},
+                                           "fedavg-lora", "accuracy", margin=args.margin)
+    if "fednl:ablate" in items:
+        result["vs_ablation"] = compare({"fednl:ablate": items["fednl:ablate"],
+                                         **{k: v for k, v in items.items() if k.startswith("fednl:") and
+                                            k != "fednl:ablate"}}, "fednl:ablate", "accuracy", margin=args.margin)
+    result["moved"] = {spec: compare({"start": items[f"round 0: {round0_of(spec)}"], "final": items[spec]},
+                                     "start", "accuracy", margin=args.margin)["runs"]["final"]
+                       for spec in mmlu}
+    result["accuracy"] = {name: {"accuracy": r["accuracy"], "ci95": r["accuracy_ci95"]}
+                          for name, r in compare(items, next(iter(items)), "accuracy")["runs"].items()}
+    return result
+
+
+def paired_lines(paired: dict) -> list[str]:
+    margin = paired["margin"]
+    lines = [f"### MMLU, paired on {paired['items']:,} held-out questions (every client's, never trained on)", "",
+             "Accuracy with its 95% Wilson interval; against fedavg-lora the paired difference (95% interval), "
+             f"McNemar's exact p and the one-sided non-inferiority p at a {margin * 100:g}-point margin "
+             "(p < 0.05: not worse by that much); *moved* is the final model against its own round 0.", "",
+             "| model | accuracy (95% CI) | Δ vs fedavg-lora (95% CI) | McNemar p | non-inferiority p | "
+             "moved from round 0 (95% CI) | McNemar p |", "|---|---|---|---|---|---|---|"]
+    versus = paired.get("vs_fedavg_lora", {}).get("runs", {})
+    for name, acc in paired["accuracy"].items():
+        row = f"| {name} | {acc['accuracy']:.3f} ({acc['ci95'][0]:.3f}..{acc['ci95'][1]:.3f}) | "
+        d = versus.get(name, {}).get("accuracy_diff")
+        row += (f"{d['mean'] * 100:+.1f} pp ({d['ci95'][0] * 100:+.1f}..{d['ci95'][1] * 100:+.1f}) | {d['p_value']:.3g} | "
+                f"{d['noninferior_p']:.3g} | " if d else "— | — | — | ")
+        m = paired["moved"].get(name, {}).get("accuracy_diff")
+        row += (f"{m['mean'] * 100:+.1f} pp ({m['ci95'][0] * 100:+.1f}..{m['ci95'][1] * 100:+.1f}) | {m['p_value']:.3g} |"
+                if m else "— | — |")
+        lines.append(row)
+    ablation = paired.get("vs_ablation", {}).get("runs", {})
+    for name, r in ablation.items():
+        d = r.get("accuracy_diff")
+        if d:
+            lines.append("")
+            lines.append(f"{name} − its ablation (memory off): {d['mean'] * 100:+.1f} pp "
+                         f"({d['ci95'][0] * 100:+.1f}..{d['ci95'][1] * 100:+.1f}), McNemar p {d['p_value']:.3g} "
+                         f"({d['other_right_ref_wrong']} questions gained, {d['ref_right_other_wrong']} lost).")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------------------- 2. NIAH
@@ -434,6 +536,8 @@ def report(args, results: dict, command: str) -> str:
                 lines.append(f"| {spec} | " + " | ".join(f"{d:+.3f}" for d in drops) +
                              f" | {sum(drops) / len(drops):+.3f} |")
         lines.append("")
+    if results.get("mmlu_paired"):
+        lines += paired_lines(results["mmlu_paired"])
     niah = results.get("niah")
     if niah:
         lengths = [str(x) for x in args.niah_lengths]
@@ -575,6 +679,8 @@ def main(argv=None) -> None:
         t0 = time.time()
         if section == "mmlu":
             results["mmlu"] = section_mmlu(args, out)
+            if args.paired:
+                results["mmlu_paired"] = mmlu_paired(args, out, results["mmlu"])
         elif section == "niah":
             results["niah"] = section_niah(args, out)
         elif section == "stream":

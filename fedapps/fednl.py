@@ -114,6 +114,10 @@ def prepare(cfg):
                 param.requires_grad_(False)
         trainable = [n for n in trainable if not n.endswith("fednl_gate")]
     names = meta_rule_names(model, mode)
+    if cfg.algorithm.get("ablate_memory", False):
+        # the fixed gate is not federated: every side sets it here, a reply cannot move it, and its
+        # logit (-100) lies beyond what the server accepts for a gate (strategies.fednl.MEMORY_BOUND)
+        names = [n for n in names if not n.endswith("fednl_gate")]
     sent = set(names)
     local = [n for n in trainable if n not in sent]
     extra = {"names": names, "local_names": local, "local_init": federated_state(model, local), "mode": mode}

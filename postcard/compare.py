@@ -9,8 +9,9 @@ of different items is refused. The report gives, per run:
 
 * accuracy tasks (MMLU, NIAH, images): accuracy with its 95% Wilson interval; against the
   reference (the first run) the paired difference with its 95% interval (normal
-  approximation over the per-item differences) and McNemar's exact test (a two-sided
-  binomial test on the discordant items);
+  approximation over the per-item differences), McNemar's exact test (a two-sided
+  binomial test on the discordant items) and a one-sided non-inferiority test at
+  ``--margin`` (default 2 points: p < 0.05 says "not worse than the reference by 2 points");
 * every task: the mean per-item loss (perplexity = exp of it for language modelling), the
   paired difference with its 95% t-interval and the paired t-test's p-value.
 
@@ -69,8 +70,25 @@ def paired_interval(differences: np.ndarray, *, t: bool) -> tuple[float, float, 
     return mean, mean - half, mean + half
 
 
-def compare(items: dict[str, dict], reference: str, metric: str) -> dict:
-    """The comparison of runs' per-item results (``{run name: FinalModel.items()}``) to ``reference``."""
+def noninferiority(differences: np.ndarray, margin: float) -> float:
+    """One-sided p-value of the paired non-inferiority test: H0 "the mean paired difference is
+    at most -margin" against "it is above" (normal approximation, as the accuracy interval).
+    p < 0.05 says the compared run is not worse than the reference by ``margin`` or more."""
+    from scipy.stats import norm
+
+    d = np.asarray(differences, np.float64)
+    if len(d) < 2:
+        return float("nan")
+    se = float(d.std(ddof=1)) / math.sqrt(len(d))
+    shift = float(d.mean()) + float(margin)
+    if se == 0.0:
+        return 0.0 if shift > 0 else 1.0
+    return float(norm.sf(shift / se))
+
+
+def compare(items: dict[str, dict], reference: str, metric: str, margin: float = 0.02) -> dict:
+    """The comparison of runs' per-item results (``{run name: FinalModel.items()}``) to ``reference``;
+    for accuracy, ``margin`` is the non-inferiority margin (0.02 = 2 points)."""
     from scipy.stats import ttest_rel
 
     ref = items[reference]
@@ -78,7 +96,8 @@ def compare(items: dict[str, dict], reference: str, metric: str) -> dict:
         if not (np.array_equal(result["client"], ref["client"]) and np.array_equal(result["index"], ref["index"])):
             raise CompareError(f"{name} was scored on other items than {reference}: the runs differ in task, "
                                "partition, clients, seed or evaluation settings, so they cannot be paired")
-    out = {"reference": reference, "metric": metric, "items": int(len(ref["index"])), "runs": {}}
+    out = {"reference": reference, "metric": metric, "items": int(len(ref["index"])), "margin": float(margin),
+           "runs": {}}
     for name, result in items.items():
         row = {"mean_loss": float(np.mean(result["loss"]))}
         if metric == "perplexity":
@@ -93,7 +112,8 @@ def compare(items: dict[str, dict], reference: str, metric: str) -> dict:
             if "correct" in result:
                 mean, low, high = paired_interval(result["correct"] - ref["correct"], t=False)
                 row["accuracy_diff"] = {"mean": mean, "ci95": (low, high), **mcnemar_exact(ref["correct"],
-                                                                                          result["correct"])}
+                                                                                          result["correct"]),
+                                        "noninferior_p": noninferiority(result["correct"] - ref["correct"], margin)}
         out["runs"][name] = row
     return out
 
@@ -104,8 +124,10 @@ def report(result: dict, runs: dict[str, Path], command: str) -> str:
              f"Command: `{command}`", ""]
     accuracy = "accuracy" in result["runs"][ref]
     if accuracy:
-        lines += ["| run | accuracy (95% Wilson) | Δ vs reference (95% CI) | McNemar exact p (gains / losses) | "
-                  "mean loss | Δ loss (95% CI), paired t p |", "|---|---|---|---|---|---|"]
+        margin = result.get("margin", 0.02)
+        lines += [f"| run | accuracy (95% Wilson) | Δ vs reference (95% CI) | McNemar exact p (gains / losses) | "
+                  f"non-inferiority p (margin {margin * 100:g} pp) | mean loss | Δ loss (95% CI), paired t p |",
+                  "|---|---|---|---|---|---|---|"]
     else:
         lines += ["| run | perplexity | mean loss | Δ loss vs reference (95% CI) | paired t p |", "|---|---|---|---|---|"]
     for name, row in result["runs"].items():
@@ -117,7 +139,8 @@ def report(result: dict, runs: dict[str, Path], command: str) -> str:
             lines.append(
                 f"| {name} | {row['accuracy']:.4f} ({row['accuracy_ci95'][0]:.4f}..{row['accuracy_ci95'][1]:.4f}) | "
                 + (f"{acc['mean']:+.4f} ({acc['ci95'][0]:+.4f}..{acc['ci95'][1]:+.4f}) | {acc['p_value']:.3g} "
-                   f"({acc['other_right_ref_wrong']} / {acc['ref_right_other_wrong']}) | " if acc else "— | — | ")
+                   f"({acc['other_right_ref_wrong']} / {acc['ref_right_other_wrong']}) | "
+                   f"{acc.get('noninferior_p', float('nan')):.3g} | " if acc else "— | — | — | ")
                 + f"{row['mean_loss']:.4f} | {loss_diff}, p {loss_p} |")
         else:
             lines.append(f"| {name} | {row.get('perplexity', float('nan')):,.3f} | {row['mean_loss']:.4f} | "
@@ -131,6 +154,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("runs", nargs="+", type=Path, help="run folders; the first is the reference")
     p.add_argument("--out", type=Path, default=None, help="the report's folder")
+    p.add_argument("--margin", type=float, default=0.02,
+                   help="accuracy tasks: the non-inferiority margin, as a fraction (default 0.02 = 2 points)")
     args = p.parse_args(argv)
     from fedapps.final import load_run
     from fedapps.method import FinalStateError
@@ -149,7 +174,9 @@ def main(argv: list[str]) -> int:
             print(f"scoring {name} ...", flush=True)
             items[name] = final.items()
             del final
-        result = compare(items, next(iter(names)), metric)
+        if not 0 <= args.margin < 1:
+            raise CompareError(f"--margin must be a fraction in [0, 1), got {args.margin}")
+        result = compare(items, next(iter(names)), metric, margin=args.margin)
     except (CompareError, FinalStateError, ValueError) as err:
         print(f"postcard compare: {err}", file=sys.stderr)
         return 2

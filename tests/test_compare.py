@@ -1,13 +1,14 @@
 """Paired comparisons of finished runs on the same held-out items (postcard compare)."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from fedapps.config import compose, to_yaml
-from postcard.compare import CompareError, compare, main, mcnemar_exact, paired_interval, wilson
+from postcard.compare import CompareError, compare, main, mcnemar_exact, noninferiority, paired_interval, wilson
 
 
 def test_the_intervals_and_the_exact_mcnemar_test_match_known_values():
@@ -21,6 +22,24 @@ def test_the_intervals_and_the_exact_mcnemar_test_match_known_values():
     mean, low, high = paired_interval(np.array([1.0, 2.0, 3.0, 4.0]), t=True)
     assert (mean, low, high) == pytest.approx((2.5, 2.5 - 3.182446 * 1.290994 / 2, 2.5 + 3.182446 * 1.290994 / 2),
                                               rel=1e-5)
+
+
+def test_the_noninferiority_test_matches_a_hand_computed_example():
+    """40 items: the compared run gains 6 and loses 4 (paired differences +1 x6, -1 x4, 0 x30):
+    mean 0.05, sample std sqrt((10 - 40 * 0.05**2) / 39); H0: mean <= -0.02."""
+    d = np.array([1.0] * 6 + [-1.0] * 4 + [0.0] * 30)
+    se = math.sqrt((10 - 40 * 0.05 ** 2) / 39) / math.sqrt(40)
+    z = (0.05 + 0.02) / se
+    assert noninferiority(d, 0.02) == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)), rel=1e-9)
+    assert noninferiority(d, 0.02) < noninferiority(d, 0.0) < 0.5  # a wider margin is easier to clear
+    assert noninferiority(-d, 0.0) > 0.5  # a run that loses more than it gains is not shown non-inferior
+    ref = np.array([0.0] * 6 + [1.0] * 4 + [1.0] * 15 + [0.0] * 15)
+    other = np.array([1.0] * 6 + [0.0] * 4 + [1.0] * 15 + [0.0] * 15)  # other - ref is d
+    result = compare({"ref": {"client": np.zeros(40), "index": np.arange(40), "loss": np.zeros(40), "correct": ref},
+                      "run": {"client": np.zeros(40), "index": np.arange(40), "loss": np.zeros(40), "correct": other}},
+                     "ref", "accuracy", margin=0.05)
+    assert result["margin"] == 0.05
+    assert result["runs"]["run"]["accuracy_diff"]["noninferior_p"] == pytest.approx(noninferiority(d, 0.05))
 
 
 def test_items_score_exactly_what_the_evaluation_averages():

@@ -425,11 +425,29 @@ def test_the_memory_ablation_is_the_backbone_bit_for_bit_and_trains_everything_b
     gates = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("fednl_gate")}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
     assert gates and all(not p.requires_grad for n, p in model.named_parameters() if n in gates)
-    assert set(gates) <= set(extra["names"])  # still in θ (fixed), so payloads keep FedNL's layout
+    assert not set(gates) & set(extra["names"])  # fixed on every side: not federated
     local_train(model, make_task(cfg, 0, 2, tok), cfg.train, seed=0)
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in gates.items())
     assert any(not torch.equal(params[n], v) for n, v in lora.items())
+
+
+def test_the_ablations_replies_pass_the_server_and_keep_the_memory_off():
+    """A federated round of the ablation: the client's reply (θ without the fixed gates) is accepted
+    by the server's checks (the gates' -100 logit was refused before, beyond ±30: every reply), and
+    the model rebuilt from the run's final θ still has α = 0."""
+    cfg = fednl_cfg("algorithm.ablate_memory=true", "train.local_steps=1", "algorithm.eval_local=false")
+    strategy = strategy_for(cfg)
+    assert not any(k.endswith("fednl_gate") for k in strategy.global_state)
+    out = client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 11), context(11, 0))
+    sent = codec.decode(out.content["arrays"])
+    assert sum(v.size for v in sent.values()) == GATE_THETA - LAYERS + LORA_THETA  # θ less one logit a layer
+    tensors, num_examples = strategy.validate_reply(out)
+    assert num_examples > 0 and set(tensors) == set(strategy.uplink_keys)
+    strategy.check_values(tensors)  # within every bound
+    model, _, _ = fednl.prepare(cfg)
+    fednl.load_theta(model, out.content["arrays"])
+    assert fednl.gate_metrics(model)["gate-alpha-max"] == 0.0
 
 
 def test_separate_learning_rates_for_the_gate_beta_and_lora():
