@@ -18,12 +18,13 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    McNemar, non-inferiority at ``--margin``), FedNL against its ablation, each method against
    its own round 0.
 2. ``niah``: 7-client needle-in-a-haystack (one template per client), FedNL (softmax
-   window ``--window``, the memory carries the rest) and fedavg-lora trained on
-   ``--niah-train-length``-token prompts, then every client's test prompts at
-   ``--niah-lengths`` scored with the final global model.
+   window ``--window``, the memory carries the rest), its ablation (the same window, memory
+   off) and fedavg-lora (``--niah-algorithms``) trained on ``--niah-train-length``-token
+   prompts, then every client's test prompts at ``--niah-lengths`` scored prompt by prompt
+   with the final global model; FedNL paired against each of the others at every length.
 3. ``stream``: one ``--stream-length``-token NIAH prompt streamed block by block through
-   FedNL's recurrent form and through fedavg-lora's model (adapter merged into the
-   backbone) with its KV cache, each in a fresh process: normalised CE per 1K-token bin
+   FedNL's recurrent form (and its ablation's) and through fedavg-lora's model (adapter merged
+   into the backbone) with its KV cache, each in a fresh process: normalised CE per 1K-token bin
    relative to the first bin, and peak inference memory at ``--memory-lengths`` tokens
    (peak RSS above the loaded model; CUDA: allocator peak), with the carried state's bytes.
    Uses the ``niah`` section's trained models (the section runs it if needed), or with
@@ -61,6 +62,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 SECTIONS = ("mmlu", "niah", "stream", "throughput")
 ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate",
               "fednl:ablate")
+NIAH_ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
 MMLU_CLIENTS = ("law_ethics", "humanities", "stem", "math_cs", "medicine_psychology")
 DOC_START, DOC_END = "<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->"
 
@@ -88,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--niah-steps", type=int, default=3)
     p.add_argument("--niah-train-length", type=int, default=768, help="(the multi-value template needs >= ~510)")
     p.add_argument("--niah-lengths", default="1024,2048,4096")
+    p.add_argument("--niah-algorithms", default=",".join(NIAH_ALGORITHMS),
+                   help="NIAH (and stream) runs: FedNL, its ablation (memory off), fedavg-lora")
     p.add_argument("--niah-test-per-template", type=int, default=3, help="test prompts per client (balanced over lengths)")
     p.add_argument("--window", type=int, default=512, help="FedNL's softmax window on NIAH and streams")
     p.add_argument("--stream-length", type=int, default=16384)
@@ -120,6 +124,9 @@ def parse_args(argv=None):
         p.error(f"unknown sections {unknown}; choose from {SECTIONS}")
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     args.niah_lengths = [int(x) for x in args.niah_lengths.split(",")]
+    args.niah_algorithms = [a for a in args.niah_algorithms.split(",") if a]
+    if "fednl:meta-rules" not in args.niah_algorithms:
+        p.error("--niah-algorithms needs fednl:meta-rules (what the others are compared with)")
     args.memory_lengths = [int(x) for x in args.memory_lengths.split(",")]
     if max(args.memory_lengths) > args.stream_length:
         p.error("--memory-lengths must not exceed --stream-length")
@@ -331,45 +338,67 @@ def load_trained(cfg, summary: dict):
     return model.eval(), tokenizer
 
 
-def section_niah(args, out: Path) -> dict:
+def niah_key(spec: str) -> str:
+    """The NIAH (and stream) result key of an algorithm spec: fednl, fednl-ablate, fedavg-lora."""
+    return {"fednl:meta-rules": "fednl", "fednl:ablate": "fednl-ablate"}.get(spec, spec.replace(":", "-"))
+
+
+def section_niah(args, out: Path) -> tuple[dict, dict]:
+    """Each NIAH algorithm trained, then its final global model scored item by item on every
+    client's test prompts (kept as ``niah_items.npz`` in its run folder); accuracy per length and,
+    at each length, FedNL paired against its ablation and against fedavg-lora (McNemar)."""
+    import numpy as np
     import torch
-    from omegaconf import OmegaConf
 
     from clients.tasks import make_task
-    from clients.train import evaluate
+    from postcard.compare import compare
 
     torch.set_num_threads(args.threads)
-    results = {}
-    for spec in ("fednl:meta-rules", "fedavg-lora"):
-        name = spec.split(":")[0]
-        cfg = niah_cfg(args, out, spec, f"niah_{name}")
-        log(f"NIAH: training {name} ({cfg.rounds} round(s), {cfg.train.local_steps} steps of "
+    results, items = {}, {}
+    for spec in args.niah_algorithms:
+        key = niah_key(spec)
+        cfg = niah_cfg(args, out, spec, f"niah_{key}")
+        log(f"NIAH: training {key} ({cfg.rounds} round(s), {cfg.train.local_steps} steps of "
             f"{args.niah_train_length}-token prompts per client)")
         summary = run(cfg)
         start = time.time()
         model, tokenizer = load_trained(cfg, summary)
-        per_client, per_length, totals = {}, {}, {}
+        per_client, parts = {}, []
         for pid in range(7):
             task = make_task(cfg, pid, 7, tokenizer)
-            metrics = evaluate(model, task, OmegaConf.create({"batch_size": 1, "max_batches": 0}))
-            per_client[task.templates[0]] = metrics["accuracy"]
-            for length in args.niah_lengths:
-                count = sum(1 for i in task.test_idx if task.length_of(i) == length)
-                if count:
-                    per_length[length] = per_length.get(length, 0.0) + metrics[f"accuracy-{length}"] * count
-                    totals[length] = totals.get(length, 0) + count
-        results[name] = {
+            scores = task.items(model, 1, 0)
+            scores["client"] = np.full(len(scores["index"]), pid, dtype=np.int64)
+            scores["length"] = np.asarray([task.length_of(int(i)) for i in scores["index"]], dtype=np.int64)
+            per_client[task.templates[0]] = float(np.mean(scores["correct"]))
+            parts.append(scores)
+        scored = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+        np.savez(Path(summary["run_dir"]) / "niah_items.npz", **scored)
+        lengths = sorted(int(x) for x in set(scored["length"].tolist()))
+        results[key] = {
             "per_client": per_client,
-            "per_length": {str(k): per_length[k] / totals[k] for k in sorted(per_length)},
-            "test_prompts_per_length": {str(k): totals[k] for k in sorted(totals)},
+            "per_length": {str(n): float(np.mean(scored["correct"][scored["length"] == n])) for n in lengths},
+            "test_prompts_per_length": {str(n): int(np.sum(scored["length"] == n)) for n in lengths},
             "train_seconds": summary["bench_seconds"],
             "eval_seconds": time.time() - start,
             "run_dir": summary["run_dir"],
             "final_state": summary["final_state"],
         }
-        log(f"NIAH {name}: {results[name]['per_length']}")
+        items[key] = scored
+        log(f"NIAH {key}: {results[key]['per_length']}")
         del model
-    return results
+    paired = {}
+    if "fednl" in items:
+        for length in args.niah_lengths:
+            for ref in ("fednl-ablate", "fedavg-lora"):
+                if ref not in items:
+                    continue
+                sub = {name: {k: v[items[name]["length"] == length] for k, v in items[name].items()}
+                       for name in (ref, "fednl")}
+                if not len(sub[ref]["index"]):
+                    continue
+                row = compare(sub, ref, "accuracy", margin=args.margin)["runs"]["fednl"]["accuracy_diff"]
+                paired.setdefault(str(length), {})[ref] = row
+    return results, paired
 
 
 # ---------------------------------------------------------------------------- 3. streams (worker + driver)
@@ -427,13 +456,14 @@ def section_stream(args, out: Path, niah: dict | None) -> dict:
     from fedapps.config import to_yaml
 
     results = {}
-    for method, key in (("fednl", "fednl"), ("kv", "fedavg-lora")):
+    for spec in args.niah_algorithms:
+        key = niah_key(spec)
+        method = "fednl" if spec.startswith("fednl") else "kv"
         if niah is not None:
             config, final_state = str(Path(niah[key]["run_dir"]) / "config.yaml"), niah[key]["final_state"]
-        else:  # untrained: FedNL at init with the window, the bare backbone
+        else:  # untrained: FedNL at init with the window (its ablation: the windowed backbone), the bare backbone
             config, final_state = str(out / f"stream_{key}.yaml"), None
-            spec_name = "fednl:meta-rules" if key == "fednl" else key
-            Path(config).write_text(to_yaml(niah_cfg(args, out, spec_name, f"stream_{key}")))
+            Path(config).write_text(to_yaml(niah_cfg(args, out, spec, f"stream_{key}")))
         spec = {
             "method": method, "config": config, "final_state": final_state,
             "length": args.stream_length, "block": args.block, "seed": args.seed + 7,
@@ -446,10 +476,9 @@ def section_stream(args, out: Path, niah: dict | None) -> dict:
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"stream worker for {key} failed:\n{proc.stderr[-3000:]}")
         results[key] = json.loads(lines[-1][len("RESULT "):])
-        if niah is not None:
-            results[key]["label"] = "FedNL recurrent" if method == "fednl" else "fedavg-lora + KV cache"
-        else:
-            results[key]["label"] = "FedNL recurrent (at init)" if method == "fednl" else "backbone + KV cache"
+        name = {"fednl": "FedNL recurrent", "fednl-ablate": "FedNL ablation (memory off) recurrent"}.get(
+            key, f"{key} + KV cache" if niah is not None else "backbone + KV cache")
+        results[key]["label"] = name + (" (at init)" if niah is None and method == "fednl" else "")
         log(f"stream {key}: {results[key]['seconds']:.0f} s, peak {results[key]['peak_bytes']}")
     return results
 
@@ -547,9 +576,21 @@ def report(args, results: dict, command: str) -> str:
                   f"({', '.join(f'{counts[k]} prompts at {k}' for k in lengths if k in counts)})", "",
                   "| algorithm | " + " | ".join(f"{x} tokens" for x in lengths) + " |", "|---|" + "---:|" * len(lengths)]
         for name, r in niah.items():
-            label = f"fednl (window {args.window})" if name == "fednl" else name
+            label = {"fednl": f"fednl (window {args.window})",
+                     "fednl-ablate": f"fednl ablation, memory off (window {args.window})"}.get(name, name)
             lines.append(f"| {label} | " + " | ".join(f"{r['per_length'].get(x, float('nan')):.3f}" for x in lengths) + " |")
         lines.append("")
+        paired = results.get("niah_paired") or {}
+        if paired:
+            lines += ["FedNL paired against each reference on the same prompts (difference in accuracy, 95% interval, "
+                      "McNemar's exact p; prompts FedNL got right and the reference wrong / the reverse):", "",
+                      "| length | reference | FedNL − reference | McNemar p | gained / lost |", "|---:|---|---:|---:|---:|"]
+            for length, refs in paired.items():
+                for ref, d in refs.items():
+                    lines.append(f"| {length} | {ref} | {d['mean'] * 100:+.1f} pp ({d['ci95'][0] * 100:+.1f}.."
+                                 f"{d['ci95'][1] * 100:+.1f}) | {d['p_value']:.3g} | "
+                                 f"{d['other_right_ref_wrong']} / {d['ref_right_other_wrong']} |")
+            lines.append("")
     stream = results.get("stream")
     if stream:
         lengths = [str(x) for x in args.memory_lengths]
@@ -682,13 +723,13 @@ def main(argv=None) -> None:
             if args.paired:
                 results["mmlu_paired"] = mmlu_paired(args, out, results["mmlu"])
         elif section == "niah":
-            results["niah"] = section_niah(args, out)
+            results["niah"], results["niah_paired"] = section_niah(args, out)
         elif section == "stream":
             if args.stream_from == "init":
                 results["stream"] = section_stream(args, out, None)
             else:
                 if "niah" not in results:
-                    results["niah"] = section_niah(args, out)
+                    results["niah"], results["niah_paired"] = section_niah(args, out)
                 results["stream"] = section_stream(args, out, results["niah"])
         else:
             results["throughput"] = section_throughput(args)

@@ -47,12 +47,15 @@ def test_items_score_exactly_what_the_evaluation_averages():
     from clients.models import build_model
     from clients.tasks import make_task
 
+    niah = compose(["task.train_per_template=2", "task.test_per_template=4", "task.train_lengths=[640]",
+                    "task.test_lengths=[640,768]"], preset="test", task="niah")
     for cfg in (compose(["num_clients=5", "task.max_test=12", "eval.batch_size=5"], preset="test", task="mmlu"),
-                compose(["eval.batch_size=3"], preset="test")):
+                compose(["eval.batch_size=3"], preset="test"), niah):
         model, tok = build_model(cfg)
-        task = make_task(cfg, 1, int(cfg.num_clients), tok)
-        metrics = task.evaluate(model, 3 if cfg.task.name == "shakespeare" else 5, 2)
-        items = task.items(model, 3 if cfg.task.name == "shakespeare" else 5, 2)
+        task = make_task(cfg, 1, int(cfg.num_clients or cfg.task.default_clients), tok)
+        size = {"shakespeare": 3, "mmlu": 5, "niah": 2}[cfg.task.name]
+        metrics = task.evaluate(model, size, 2)
+        items = task.items(model, size, 2)
         assert len(items["index"]) == metrics["num-examples"]
         np.testing.assert_array_equal(items["index"], task.test_idx[: metrics["num-examples"]])
         assert float(np.mean(items["loss"])) == pytest.approx(metrics["loss"], rel=1e-5)

@@ -77,7 +77,7 @@ class NIAHTask(MMLUTask):
 
         # Pools of (split, template, index); test/long pools interleave templates so a
         # client that evaluates only its first batches still sees every template and length.
-        self.items: list[tuple[str, str, int]] = []
+        self.entries: list[tuple[str, str, int]] = []  # (split, template, pool index); Task.items scores
         mine: dict[str, np.ndarray] = {}
         for split, n in counts.items():
             if n == 0:
@@ -89,10 +89,10 @@ class NIAHTask(MMLUTask):
                 pool = [(split, t, i) for i in range(n) for t in templates]
             chosen = partition_for(cfg, [t for _, t, _ in pool], num_partitions=num_partitions,
                                    partition_id=partition_id, natural_order=templates, seed=self.seed)
-            offset = len(self.items)
-            self.items.extend(pool[int(i)] for i in sorted(chosen))
-            mine[split] = np.arange(offset, len(self.items))
-        self.templates = sorted({t for _, t, _ in self.items})
+            offset = len(self.entries)
+            self.entries.extend(pool[int(i)] for i in sorted(chosen))
+            mine[split] = np.arange(offset, len(self.entries))
+        self.templates = sorted({t for _, t, _ in self.entries})
         self.long_idx = mine["long"]
         self._cache: dict[int, tuple[list[int], int, int]] = {}
         Task.__init__(self, mine["train"], mine["test"])
@@ -102,7 +102,7 @@ class NIAHTask(MMLUTask):
         """Fail at setup, not mid-round, when a length is too short for one of this client's
         templates (the first example of each template at each split's shortest length)."""
         first: dict[tuple[str, str], int] = {}
-        for index, (split, template, i) in enumerate(self.items):
+        for index, (split, template, i) in enumerate(self.entries):
             length = self.lengths[split][i % len(self.lengths[split])]
             if length == min(self.lengths[split]) and (split, template) not in first:
                 first[(split, template)] = index
@@ -115,12 +115,12 @@ class NIAHTask(MMLUTask):
     # ------------------------------------------------------------------ data
     def example(self, index: int) -> dict:
         """The generator's dict (prompt, choices, needles, depths, ...) of item ``index``."""
-        split, template, i = self.items[int(index)]
+        split, template, i = self.entries[int(index)]
         return split_example(template, i, self.lengths[split], self.seed + SPLIT_SEEDS[split], self.tokenizer)
 
     def length_of(self, index: int) -> int:
         """Target length (tokens) of item ``index``, without making the example."""
-        split, _, i = self.items[int(index)]
+        split, _, i = self.entries[int(index)]
         return self.lengths[split][i % len(self.lengths[split])]
 
     def _encoded(self, index: int) -> tuple[list[int], int, int]:
