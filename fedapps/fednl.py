@@ -106,17 +106,16 @@ def prepare(cfg):
     add_delta_memory(model, memory_config(cfg))
     model = apply_lora(model, lora, seed=int(cfg.seed))
     trainable = mark_trainable(model)  # after PEFT, which froze the gate and β
+    names = meta_rule_names(model, mode)
     if cfg.algorithm.get("ablate_memory", False):  # α = 0 exactly: the backbone's attention (+ LoRA), bit for bit
         for name, param in model.named_parameters():
             if name.endswith("fednl_gate"):
                 with torch.no_grad():
                     param.fill_(ABLATED_GATE_LOGIT)
                 param.requires_grad_(False)
+        # the fixed gate is neither trained nor federated: every side sets it here, a reply cannot move
+        # it, and its logit (-100) lies beyond what the server accepts for a gate (strategies.fednl.MEMORY_BOUND)
         trainable = [n for n in trainable if not n.endswith("fednl_gate")]
-    names = meta_rule_names(model, mode)
-    if cfg.algorithm.get("ablate_memory", False):
-        # the fixed gate is not federated: every side sets it here, a reply cannot move it, and its
-        # logit (-100) lies beyond what the server accepts for a gate (strategies.fednl.MEMORY_BOUND)
         names = [n for n in names if not n.endswith("fednl_gate")]
     sent = set(names)
     local = [n for n in trainable if n not in sent]
