@@ -96,16 +96,22 @@ def report(results: dict) -> str:
         "",
     ]
     reused = [f"{m} seed {seed} (`{runs[m]['run_dir']}`)" for seed, runs in seeds.items() for m in METHODS
-              if runs[m].get("reused")]
+              if runs[m].get("reused") and not runs[m].get("reference_report")]
     if reused:
         lines += ["Read from completed run folders of the same configuration (`--reuse-runs`), not run again: "
                   + ", ".join(reused) + ".", ""]
+    referenced = [f"{m} seed {seed} (`{runs[m]['reference_report']}`)" for seed, runs in seeds.items()
+                  for m in METHODS if runs[m].get("reference_report")]
+    if referenced:
+        lines += ["Taken from earlier reports of the same protocol and overrides (`--reference-from`), not run "
+                  "again: " + ", ".join(referenced) + ".", ""]
     lines += [
         f"Pool: {', '.join(results['pool_adapters'])} ({results['pool']}); the target's data "
         f"({results['target_data']}) is in none of them. {results['clients']} clients, {results['rounds']} rounds × "
         f"{results['steps']} local steps, lr {results['lr']}, seeds {', '.join(seeds)} (n = {n}; ± = 95% "
-        "t-interval over seeds)." + (f" SmartFed with `{results['smartfed_overrides']}`."
-                                     if results.get("smartfed_overrides") else ""),
+        "t-interval over seeds)." + "".join(f" {name} with `{overrides_of(results, m)}`."
+                                             for m, name in (("fedavg-lora", "FedAvg-LoRA"), ("smartfed", "SmartFed"))
+                                             if overrides_of(results, m)),
         "",
         f"## {metric} by round (mean over seeds)",
         "",
@@ -182,14 +188,15 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+OVERRIDES = {"fedavg-lora": "fedavg_lora_overrides", "smartfed": "smartfed_overrides"}
 PROTOCOL = ("model", "target", "target_data", "rounds", "clients", "steps", "lr", "pool_adapters", "metric",
-            "smartfed_overrides")
+            *OVERRIDES.values())
 
 
 def merge(parts: list[dict]) -> dict:
     """One result from parts run at different times (seeds split over sessions): the same
     protocol, their seeds united (a later part's seed replaces an earlier one's)."""
-    parts = [{"smartfed_overrides": "", **part} for part in parts]  # parts written before the option: none
+    parts = [{key: "" for key in OVERRIDES.values()} | part for part in parts]  # parts from before the options: none
     first = parts[0]
     for part in parts[1:]:
         differ = [k for k in PROTOCOL if part.get(k) != first.get(k)]
@@ -205,6 +212,31 @@ def merge(parts: list[dict]) -> dict:
     explicit = [p["targets"] for p in parts if p.get("targets_given")]
     merged["targets"] = explicit[0] if explicit else default_targets(merged["seeds"], merged["rounds"])
     return merged
+
+
+def overrides_of(part: dict, method: str) -> str:
+    """The Hydra overrides a report ran ``method`` with (reports from before an option: none)."""
+    return part.get(OVERRIDES[method]) or ""
+
+
+def references(paths: list[str], protocol: dict, overrides: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """Results per seed and method from earlier reports (``--reference-from``) of this run's protocol:
+    a method's result is taken where the report ran it with this run's overrides for it."""
+    found: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        try:
+            part = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"onboarding --reference-from: {err}") from None
+        differ = [k for k in protocol if part.get(k) != protocol[k]]
+        if differ:
+            raise SystemExit(f"onboarding --reference-from: {path} differs from this run in {differ} "
+                             f"({', '.join(f'{k}={part.get(k)!r}, not {protocol.get(k)!r}' for k in differ)})")
+        for method in METHODS:
+            if overrides_of(part, method) == overrides[method]:
+                for seed, runs in part["seeds"].items():
+                    found.setdefault(seed, {})[method] = {**runs[method], "reused": True, "reference_report": str(path)}
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,10 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smartfed-overrides", default="",
                         help='Hydra overrides for the SmartFed runs only, e.g. "algorithm.importance=sensitivity" '
                              '(a variant on the same protocol; with --reuse-runs the FedAvg-LoRA runs are read)')
+    parser.add_argument("--fedavg-lora-overrides", default="",
+                        help='Hydra overrides for the FedAvg-LoRA runs only, e.g. "train.lr=3e-3" (a tuned baseline)')
     parser.add_argument("--reuse-runs", action="store_true",
                         help="read a completed run folder in RUNS_DIR of the same configuration (options added since at "
                              "their defaults) "
                              "instead of running it again (e.g. after an interrupted part)")
+    parser.add_argument("--reference-from", nargs="+", default=None, metavar="ONBOARDING_JSON",
+                        help="take a method's result for a seed from these earlier reports of the same protocol "
+                             "(checked) where they ran it with this run's overrides for it, instead of running it "
+                             "(e.g. a SmartFed variant against the FedAvg-LoRA runs of the docs' report)")
     args, extra = parser.parse_known_args(argv)
     extra = [e for e in extra if e != "--"]
     for name in ("rounds", "clients", "steps", "seeds"):
@@ -266,19 +304,22 @@ def main(argv: list[str] | None = None) -> int:
     smartfed = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]",
                 *shlex.split(args.smartfed_overrides)]
 
+    data = {k: list(v) for k, v in (("plays", target.task.get("plays")),
+                                     ("categories", target.task.get("categories"))) if v}
+    protocol = {"model": args.model, "target": args.task, "target_data": json.dumps(data), "rounds": args.rounds,
+                "clients": args.clients, "steps": args.steps, "lr": args.lr, "pool_adapters": held}
+    overrides = {"fedavg-lora": args.fedavg_lora_overrides, "smartfed": args.smartfed_overrides}
+    reference = references(args.reference_from, protocol, overrides) if args.reference_from else {}
+    per_method = {"fedavg-lora": shlex.split(args.fedavg_lora_overrides), "smartfed": smartfed}
     seeds: dict[str, dict] = {}
     for seed in args.seed_list or range(42, 42 + args.seeds):
         seeds[str(seed)] = {
-            "fedavg-lora": run_one("fedavg-lora", [*run, f"seed={seed}", f"run_name=onboarding-fedavg-lora-s{seed}"],
-                                   reuse=args.reuse_runs),
-            "smartfed": run_one("smartfed", [*run, *smartfed, f"seed={seed}", f"run_name=onboarding-smartfed-s{seed}"],
-                                reuse=args.reuse_runs),
-        }
+            m: reference.get(str(seed), {}).get(m) or run_one(
+                m, [*run, *per_method[m], f"seed={seed}", f"run_name=onboarding-{m}-s{seed}"], reuse=args.reuse_runs)
+            for m in METHODS}
         for runs in seeds[str(seed)].values():
             runs.pop("smartfed_rounds", None)
     metric = next(iter(seeds.values()))["fedavg-lora"]["metric"]
-    data = {k: list(v) for k, v in (("plays", target.task.get("plays")),
-                                     ("categories", target.task.get("categories"))) if v}
     results = {
         "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/onboarding.py",
                                                       *(sys.argv[1:] if argv is None else argv)]),
@@ -286,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "target": args.task, "target_data": json.dumps(data), "rounds": args.rounds,
         "clients": args.clients, "steps": args.steps, "lr": args.lr, "pool": str(pool_path), "pool_adapters": held,
         "metric": metric, "smartfed_overrides": args.smartfed_overrides,
+        "fedavg_lora_overrides": args.fedavg_lora_overrides,
         "targets": args.targets or default_targets(seeds, args.rounds),
         "targets_given": bool(args.targets), "seeds": seeds,
     }
