@@ -106,6 +106,32 @@ def test_parts_merge_into_one_benchmark_and_other_protocols_are_refused():
     assert list(onboarding.merge([a, b])["seeds"]) == ["42", "43"]
 
 
+def test_reference_reports_give_each_method_only_where_its_overrides_match(tmp_path):
+    """--reference-from: a report of the same protocol gives a method's per-seed results where it ran
+    that method with this run's overrides for it (a SmartFed variant reads FedAvg-LoRA's runs; a tuned
+    FedAvg-LoRA reads the variant's SmartFed runs); another protocol is refused by name."""
+    import json
+
+    base = results()
+    base["smartfed_overrides"] = "algorithm.lr.experts=3e-3"  # fedavg_lora_overrides absent: an older report
+    path = tmp_path / "onboarding.json"
+    path.write_text(json.dumps(base))
+    protocol = {k: base[k] for k in ("model", "target", "target_data", "rounds", "clients", "steps", "lr",
+                                     "pool_adapters")}
+    variant = onboarding.references([str(path)], protocol, {"fedavg-lora": "", "smartfed": "algorithm.top_k=4"})
+    assert set(variant) == {"42", "43"} and all(set(v) == {"fedavg-lora"} for v in variant.values())
+    assert variant["43"]["fedavg-lora"]["metric_by_round"] == base["seeds"]["43"]["fedavg-lora"]["metric_by_round"]
+    assert variant["42"]["fedavg-lora"]["reference_report"] == str(path)
+    tuned = onboarding.references([str(path)], protocol,
+                                  {"fedavg-lora": "train.lr=3e-3", "smartfed": "algorithm.lr.experts=3e-3"})
+    assert all(set(v) == {"smartfed"} for v in tuned.values())
+    text = onboarding.report({**base, "seeds": {s: {**base["seeds"][s], **tuned[s]} for s in tuned},
+                              "fedavg_lora_overrides": "train.lr=3e-3"})
+    assert "not run again: smartfed seed 42" in text and "FedAvg-LoRA with `train.lr=3e-3`" in text
+    with pytest.raises(SystemExit, match=r"rounds=3, not 8"):
+        onboarding.references([str(path)], {**protocol, "rounds": 8}, {"fedavg-lora": "", "smartfed": ""})
+
+
 def test_merge_of_a_missing_part_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         onboarding.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "out")])
