@@ -127,6 +127,14 @@ def delta_rule_recurrent(
 
 
 # --------------------------------------------------------------------------- chunked (WY/UT) form
+def _unit_lower_inverse(lower: Tensor) -> Tensor:
+    """``(I + lower)^{-1}`` for strictly lower triangular ``lower`` (..., C, C): one batched
+    triangular solve against the identity (cheaper than solving for k and v side by side,
+    and nothing to concatenate or slice in the backward pass)."""
+    eye = torch.eye(lower.shape[-1], device=lower.device, dtype=lower.dtype)
+    return torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+
+
 def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> tuple[Tensor, Tensor]:
     """The UT transform of one block of keys: ``w = A (beta k)``, ``u = A (beta v)``.
 
@@ -134,7 +142,8 @@ def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> t
     k ``(..., C, d_k)``, v ``(..., C, d_v)``, beta ``(..., C)``; returns w ``(..., C, d_k)``
     and u ``(..., C, d_v)``. ``method``:
 
-    * ``"solve"``: one batched ``torch.linalg.solve_triangular`` (used by the chunked form);
+    * ``"solve"``: ``A`` from one batched ``torch.linalg.solve_triangular`` against the
+      identity, then two products (used by the chunked form);
     * ``"rows"``: the reference of SPEC.md: start from ``I + strictly_lower(-(beta k) k^T)``
       and complete the inverse by forward substitution, one row at a time.
     """
@@ -144,9 +153,8 @@ def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> t
     eye = torch.eye(size, device=k.device, dtype=k.dtype)
     lower = torch.tril(k_beta @ k.transpose(-1, -2), diagonal=-1)
     if method == "solve":
-        rhs = torch.cat([k_beta, v_beta], dim=-1)
-        wu = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
-        return wu[..., : k.shape[-1]], wu[..., k.shape[-1] :]
+        inverse = _unit_lower_inverse(lower)
+        return inverse @ k_beta, inverse @ v_beta
     if method == "rows":
         # A = I + M with M strictly lower; row by row, M[i] = -L[i] - sum_{j<i} L[i, j] M[j].
         neg = -lower
@@ -212,27 +220,29 @@ def delta_rule_chunked(
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         beta = F.pad(beta, (0, pad))
     chunks = (length + pad) // size
-    q = q.reshape(batch, heads, chunks, size, d_k)
-    k = k.reshape(batch, heads, chunks, size, d_k)
-    v = v.reshape(batch, heads, chunks, size, d_v)
-    beta = beta.reshape(batch, heads, chunks, size)
+    rows = batch * heads  # (batch, heads) folded: every product below is one 3-D batched matmul
+
+    def blocks(x: Tensor) -> Tensor:  # (B, H, T, d) -> (B*H, chunks, C, d), a view
+        return x.reshape(rows, chunks, size, x.shape[-1])
+
+    q, k, v = blocks(q), blocks(k), blocks(v)
+    beta = beta.reshape(rows, chunks, size)
 
     # Everything that does not depend on the incoming state, for all chunks in parallel.
     w, u = ut_transform(k, v, beta)
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    intra = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    intra = torch.tril(q @ k.transpose(-1, -2))  # causal, the diagonal included
 
-    # Per-chunk views taken once with unbind: indexing chunk c inside the loop would make
-    # autograd materialise (and zero-fill) a full-size gradient buffer per chunk and tensor.
-    q_c, k_c, w_c, u_c, intra_c = (x.unbind(dim=2) for x in (q, k, w, u, intra))
+    # The state is carried transposed, S^T (B*H, d_k, d_v), so that every step is a (b)addbmm
+    # without a copy. Per-chunk views are taken once with unbind: indexing chunk c inside the
+    # loop would make autograd materialise (and zero-fill) a full-size gradient buffer per chunk.
+    state_t = state.reshape(rows, d_v, d_k).transpose(1, 2)
     outputs = []
-    for c in range(chunks):
-        state_t = state.transpose(-1, -2)  # (B, H, d_k, d_v)
-        u_true = u_c[c] - w_c[c] @ state_t  # what each token of the chunk really writes
-        outputs.append(q_c[c] @ state_t + intra_c[c] @ u_true)
-        state = state + u_true.transpose(-1, -2) @ k_c[c]
-    o = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
-    return o.to(out_dtype), state
+    for q_c, k_c, w_c, u_c, intra_c in zip(*(x.unbind(dim=1) for x in (q, k, w, u, intra))):
+        u_true = torch.baddbmm(u_c, w_c, state_t, alpha=-1.0)  # what each token of the chunk really writes
+        outputs.append(torch.baddbmm(torch.bmm(q_c, state_t), intra_c, u_true))
+        state_t = torch.baddbmm(state_t, k_c.transpose(1, 2), u_true)
+    o = torch.stack(outputs, dim=1).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
+    return o.to(out_dtype), state_t.transpose(1, 2).reshape(batch, heads, d_v, d_k)
 
 
 # --------------------------------------------------------------------------- optional CUDA kernel

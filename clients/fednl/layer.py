@@ -254,8 +254,9 @@ def dual_path_attention_forward(
     if config.qk_activation == "silu":
         query, key = F.silu(query), F.silu(key)
     q_mem = l2_normalize(query.to(linear_dtype))
-    k_mem = l2_normalize(_repeat_kv(key, self.num_key_value_groups).to(linear_dtype))
-    v_mem = _repeat_kv(value, self.num_key_value_groups).to(linear_dtype)
+    # normalised once per key/value head, then repeated to the query heads (as the softmax path does)
+    k_mem = _repeat_kv(l2_normalize(key.to(linear_dtype)), self.num_key_value_groups)
+    v_mem = _repeat_kv(value.to(linear_dtype), self.num_key_value_groups)
     beta = self.fednl_beta(hidden_states)
     valid = None if stream is not None else _valid_tokens(attention_mask, batch, length, past)
     if valid is not None:  # padding writes nothing
@@ -290,5 +291,5 @@ def dual_path_attention_forward(
     soft = soft.reshape(batch, length, -1)
     memory_out = memory_out.transpose(1, 2).reshape(batch, length, -1)
     alpha = torch.sigmoid(self.fednl_gate)
-    mixed = ((1 - alpha) * soft + alpha * memory_out).to(soft.dtype)
+    mixed = torch.lerp(soft, memory_out.to(soft.dtype), alpha.to(soft.dtype))  # (1 - alpha) soft + alpha memory
     return self.o_proj(mixed), attn_weights
