@@ -33,7 +33,7 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    q/k/v with the same rank, same batch, interleaved timed steps.
 
 Targets from the issue: FedNL's peak memory grows <= 1.1x from the first to the last
-memory length; FedNL trains at >= 0.7x plain LoRA's tokens/s. ``--write-docs`` puts the
+memory length; FedNL trains at >= 0.9x plain LoRA's tokens/s (issue #15; 0.7x before it). ``--write-docs`` puts the
 tables (with the command that made them) into ``docs/fednl.md`` between its bench markers
 and the plots into ``docs/fednl-*.png``; every run also leaves ``results.json`` and the
 run folders under ``--out``.
@@ -633,7 +633,8 @@ def report(args, results: dict, command: str) -> str:
                   f"| plain LoRA q/k/v, same rank | {tp['trainable']['lora-qkv']:,} | {rates['lora-qkv']:.1f} | "
                   f"{cpu['lora-qkv']:.1f} |", "",
                   f"FedNL / plain LoRA = **{tp['ratio']:.2f}x** wall-clock, **{tp['cpu_ratio']:.2f}x** per CPU-second "
-                  "(target >= 0.7x; on a shared machine the CPU-time ratio is the steadier one).", ""]
+                  "(target >= 0.9x: " + ("met" if max(tp["ratio"], tp["cpu_ratio"]) >= 0.9 else "not met")
+                  + "; on a shared machine the CPU-time ratio is the steadier one).", ""]
     return "\n".join(lines)
 
 
