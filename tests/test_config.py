@@ -188,3 +188,16 @@ def test_app_run_refuses_what_the_server_would_refuse_before_submitting(tmp_path
     assert "rounds" in precheck([str(ROOT), "--run-config", str(toml)])
     assert precheck([str(ROOT), "--federation-config", "num-supernodes=2", "--run-config", "preset='test'"]) is None
     assert precheck([str(tmp_path), "--run-config", "algorithm='fedsgd'"]) is None  # another app: its own checks
+
+
+def test_smartfed_tuned_preset_is_the_setting_the_onboarding_benchmark_measured():
+    """docs/smartfed.md's 3-seed variant ran `algorithm=smartfed train.lr=1e-3` with these overrides;
+    `preset=smartfed-tuned` must train and send exactly that, whatever train.lr is."""
+    measured = compose("train.lr=1e-3 algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 "
+                       "algorithm.downlink=int4", algorithm="smartfed").algorithm
+    for lr in ("1e-3", "3e-4"):
+        tuned = compose(f"train.lr={lr}", preset="smartfed-tuned").algorithm
+        assert tuned.name == "smartfed"
+        assert {k: tuned[k] for k in ("payload", "budget_per_matrix", "downlink")} == \
+            {k: measured[k] for k in ("payload", "budget_per_matrix", "downlink")}
+        assert tuned.lr.experts == pytest.approx(3e-3) and tuned.lr.router == pytest.approx(1e-3)
