@@ -1,8 +1,7 @@
 """Onboarding a new domain: SmartFed from a knowledge pool vs FedAvg-LoRA from scratch, over seeds.
 
     .venv/bin/python bench/onboarding.py --clients 4 --rounds 8 --seeds 3   # SmolLM2, the docs protocol (~35 min a seed)
-    .venv/bin/python bench/onboarding.py --model tiny-llama --seeds 1 --rounds 2 --steps 2 \\
-        --pool-sources shakespeare-histories --pool-rounds 1 --pool-steps 2 --out /tmp/onboarding-smoke
+    .venv/bin/python bench/onboarding.py --quick         # tiny model, 1 seed, 2 rounds: ~1.5 min, outputs/bench-onboarding-quick
     .venv/bin/python bench/onboarding.py --seed-list 42 --out /tmp/part-42     # in parts (a seed a session) ...
     .venv/bin/python bench/onboarding.py --merge /tmp/part-42/onboarding.json /tmp/part-43/onboarding.json  # ... merged
 
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from postcard import pool as pool_cli  # noqa: E402
 from fedapps.config import compose  # noqa: E402
 from smartfed import (HIGHER_IS_BETTER, add_run_arguments, check_unseen, first_round_reaching,  # noqa: E402
-                      run_one, write_outputs)  # (bench/smartfed.py)
+                      quick_argv, run_one, write_outputs)  # (bench/smartfed.py)
 
 METHODS = ("fedavg-lora", "smartfed")
 
@@ -268,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="take a method's result for a seed from these earlier reports of the same protocol "
                              "(checked) where they ran it with this run's overrides for it, instead of running it "
                              "(e.g. a SmartFed variant against the FedAvg-LoRA runs of the docs' report)")
+    argv = quick_argv(argv, "bench-onboarding-quick", ("--seeds", "1"))
     args, extra = parser.parse_known_args(argv)
     extra = [e for e in extra if e != "--"]
     for name in ("rounds", "clients", "steps", "seeds"):

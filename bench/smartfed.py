@@ -280,12 +280,33 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--pool-sources", default="shakespeare-histories,shakespeare-comedies,mmlu-stem")
     parser.add_argument("--pool-rounds", type=int, default=2)
     parser.add_argument("--pool-steps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a check in a few minutes: {' '.join(QUICK)} (onboarding: --seeds 1 too), the report under "
+                             "outputs/ unless --out is given; later options still apply")
+
+
+# --quick: the tiny random-init Llama, one pooled adapter, two short rounds
+QUICK = ("--model", "tiny-llama", "--rounds", "2", "--steps", "2", "--pool-sources", "shakespeare-histories",
+         "--pool-rounds", "1", "--pool-steps", "2")
+
+
+def quick_argv(argv: list[str] | None, name: str, more: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` with --quick's settings put first (the user's own options after them win) and,
+    unless --out is given, the report in ``outputs/<name>`` instead of docs/."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--quick" not in argv:
+        return argv
+    extra = [*QUICK, *more]
+    if not any(a == "--out" or a.startswith("--out=") for a in argv):
+        extra += ["--out", str(ROOT / "outputs" / name)]
+    return extra + argv
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_run_arguments(parser)
+    argv = quick_argv(argv, "bench-smartfed-quick")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--budget-per-matrix", type=float, default=None, help="SmartFed budget (default: config's)")
     parser.add_argument("--mode", default="experts+router", choices=["experts+router", "router-only"])

@@ -190,3 +190,14 @@ def test_equal_bytes_pairs_each_seed_with_smartfeds_last_round_within_fedavg_lor
     # round 1 of fedavg-lora (45, 47) against smartfed's round 3 (36, 43): paired −9 and −4
     assert "| 1 | 1,000 | 46.00 ± 12.71 | 39.50 ± 44.47 (3, 3) | -6.50 ± 31.77 |" in text
     assert "| 2 | 2,000 |" not in text
+
+
+def test_quick_puts_its_settings_first_and_keeps_the_report_out_of_docs():
+    import smartfed
+
+    argv = smartfed.quick_argv(["--quick", "--rounds", "3"], "bench-onboarding-quick", ("--seeds", "1"))
+    assert argv[:len(smartfed.QUICK)] == list(smartfed.QUICK) and argv[-3:] == ["--quick", "--rounds", "3"]
+    assert argv[argv.index("--out") + 1] == str(ROOT / "outputs" / "bench-onboarding-quick")
+    assert argv[argv.index("--seeds") + 1] == "1"
+    assert "--out" not in smartfed.quick_argv(["--quick", "--out=/tmp/x"], "q")[:-2]
+    assert smartfed.quick_argv(["--rounds", "3"], "q") == ["--rounds", "3"]  # without --quick: untouched
