@@ -170,3 +170,15 @@ def test_cuda_matches_the_cpu_reference():
         o, s = delta_rule_chunked(*(x.bfloat16() for x in cuda[:4]), initial_state=cuda[4], use_fla=True)
         assert (o.float().cpu() - o_ref).abs().max() <= 5e-2 * max(1.0, o_ref.abs().max().item())
         assert (s.cpu() - s_ref).abs().max() <= 5e-2 * max(1.0, s_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("rule", [delta_rule_chunked, delta_rule_recurrent])
+def test_autocast_does_not_round_the_memory_to_bf16(rule):
+    """A model trained under bf16 autocast (train.frozen_bf16) calls the memory with it on: the
+    arithmetic stays float32, the result equals the one without autocast."""
+    q, k, v, beta, s0 = random_inputs(length=130, state=True)
+    o_ref, s_ref = rule(q, k, v, beta, initial_state=s0)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        o, s = rule(q, k, v, beta, initial_state=s0)
+    assert o.dtype == s.dtype == torch.float32
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)

@@ -30,6 +30,7 @@ half-precision inputs, :func:`delta_rule_chunked` may hand the work to its Trito
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -89,6 +90,14 @@ def _initial_state(initial_state: Tensor | None, batch, heads, d_v, d_k, device)
     return initial_state.to(device=device, dtype=torch.float32)
 
 
+def _full_precision(x: Tensor):
+    """A context that turns autocast off on ``x``'s device where it is on (a model trained under
+    bf16 autocast calls the memory with it on): this module's arithmetic is float32."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(device_type=x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------- recurrent form
 def delta_rule_recurrent(
     q: Tensor,
@@ -106,24 +115,25 @@ def delta_rule_recurrent(
     under ``torch.no_grad()`` (autograd, when enabled, keeps every step for BPTT).
     """
     batch, heads, length, d_k, d_v = _check_inputs(q, k, v, beta, initial_state)
-    out_dtype = q.dtype
-    q, k, v, beta = (x.float() for x in (q, k, v, beta))
-    if qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
-    outputs = []
-    for t in range(length):
-        k_t = k[:, :, t].unsqueeze(-1)  # (B, H, d_k, 1)
-        v_t = v[:, :, t].unsqueeze(-1)  # (B, H, d_v, 1)
-        b_t = beta[:, :, t, None, None]  # (B, H, 1, 1)
-        error = v_t - state @ k_t  # what the memory gets wrong about this key
-        state = state + (b_t * error) @ k_t.transpose(-1, -2)
-        outputs.append((state @ q[:, :, t].unsqueeze(-1)).squeeze(-1))
-    if outputs:
-        o = torch.stack(outputs, dim=2)
-    else:
-        o = q.new_zeros(batch, heads, 0, d_v)
-    return o.to(out_dtype), state
+    with _full_precision(q):  # float32 even under autocast: the state must not round to bf16
+        out_dtype = q.dtype
+        q, k, v, beta = (x.float() for x in (q, k, v, beta))
+        if qk_l2norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
+        outputs = []
+        for t in range(length):
+            k_t = k[:, :, t].unsqueeze(-1)  # (B, H, d_k, 1)
+            v_t = v[:, :, t].unsqueeze(-1)  # (B, H, d_v, 1)
+            b_t = beta[:, :, t, None, None]  # (B, H, 1, 1)
+            error = v_t - state @ k_t  # what the memory gets wrong about this key
+            state = state + (b_t * error) @ k_t.transpose(-1, -2)
+            outputs.append((state @ q[:, :, t].unsqueeze(-1)).squeeze(-1))
+        if outputs:
+            o = torch.stack(outputs, dim=2)
+        else:
+            o = q.new_zeros(batch, heads, 0, d_v)
+        return o.to(out_dtype), state
 
 
 # --------------------------------------------------------------------------- chunked (WY/UT) form
@@ -206,43 +216,44 @@ def delta_rule_chunked(
     if use_fla is not False and length > 0 and fla_usable(q):
         return _fla_chunk_delta_rule(q, k, v, beta, initial_state, qk_l2norm)
 
-    out_dtype = q.dtype
-    q, k, v, beta = (x.float() for x in (q, k, v, beta))
-    if qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
-    if length == 0:
-        return q.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+    with _full_precision(q):  # float32 even under autocast: the state must not round to bf16
+        out_dtype = q.dtype
+        q, k, v, beta = (x.float() for x in (q, k, v, beta))
+        if qk_l2norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
+        if length == 0:
+            return q.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
 
-    size = min(chunk_size, length)
-    pad = (-length) % size
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        beta = F.pad(beta, (0, pad))
-    chunks = (length + pad) // size
-    rows = batch * heads  # (batch, heads) folded: every product below is one 3-D batched matmul
+        size = min(chunk_size, length)
+        pad = (-length) % size
+        if pad:
+            q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+            beta = F.pad(beta, (0, pad))
+        chunks = (length + pad) // size
+        rows = batch * heads  # (batch, heads) folded: every product below is one 3-D batched matmul
 
-    def blocks(x: Tensor) -> Tensor:  # (B, H, T, d) -> (B*H, chunks, C, d), a view
-        return x.reshape(rows, chunks, size, x.shape[-1])
+        def blocks(x: Tensor) -> Tensor:  # (B, H, T, d) -> (B*H, chunks, C, d), a view
+            return x.reshape(rows, chunks, size, x.shape[-1])
 
-    q, k, v = blocks(q), blocks(k), blocks(v)
-    beta = beta.reshape(rows, chunks, size)
+        q, k, v = blocks(q), blocks(k), blocks(v)
+        beta = beta.reshape(rows, chunks, size)
 
-    # Everything that does not depend on the incoming state, for all chunks in parallel.
-    w, u = ut_transform(k, v, beta)
-    intra = torch.tril(q @ k.transpose(-1, -2))  # causal, the diagonal included
+        # Everything that does not depend on the incoming state, for all chunks in parallel.
+        w, u = ut_transform(k, v, beta)
+        intra = torch.tril(q @ k.transpose(-1, -2))  # causal, the diagonal included
 
-    # The state is carried transposed, S^T (B*H, d_k, d_v), so that every step is a (b)addbmm
-    # without a copy. Per-chunk views are taken once with unbind: indexing chunk c inside the
-    # loop would make autograd materialise (and zero-fill) a full-size gradient buffer per chunk.
-    state_t = state.reshape(rows, d_v, d_k).transpose(1, 2)
-    outputs = []
-    for q_c, k_c, w_c, u_c, intra_c in zip(*(x.unbind(dim=1) for x in (q, k, w, u, intra))):
-        u_true = torch.baddbmm(u_c, w_c, state_t, alpha=-1.0)  # what each token of the chunk really writes
-        outputs.append(torch.baddbmm(torch.bmm(q_c, state_t), intra_c, u_true))
-        state_t = torch.baddbmm(state_t, k_c.transpose(1, 2), u_true)
-    o = torch.stack(outputs, dim=1).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
-    return o.to(out_dtype), state_t.transpose(1, 2).reshape(batch, heads, d_v, d_k)
+        # The state is carried transposed, S^T (B*H, d_k, d_v), so that every step is a (b)addbmm
+        # without a copy. Per-chunk views are taken once with unbind: indexing chunk c inside the
+        # loop would make autograd materialise (and zero-fill) a full-size gradient buffer per chunk.
+        state_t = state.reshape(rows, d_v, d_k).transpose(1, 2)
+        outputs = []
+        for q_c, k_c, w_c, u_c, intra_c in zip(*(x.unbind(dim=1) for x in (q, k, w, u, intra))):
+            u_true = torch.baddbmm(u_c, w_c, state_t, alpha=-1.0)  # what each token of the chunk really writes
+            outputs.append(torch.baddbmm(torch.bmm(q_c, state_t), intra_c, u_true))
+            state_t = torch.baddbmm(state_t, k_c.transpose(1, 2), u_true)
+        o = torch.stack(outputs, dim=1).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
+        return o.to(out_dtype), state_t.transpose(1, 2).reshape(batch, heads, d_v, d_k)
 
 
 # --------------------------------------------------------------------------- optional CUDA kernel
