@@ -90,6 +90,14 @@ def _initial_state(initial_state: Tensor | None, batch, heads, d_v, d_k, device)
     return initial_state.to(device=device, dtype=torch.float32)
 
 
+def _float_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor | None, qk_l2norm: bool):
+    """The inputs upcast to float32 (q, k normalised if asked) and the float32 state to start from."""
+    q, k, v, beta = (x.float() for x in (q, k, v, beta))
+    if qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q, k, v, beta, _initial_state(initial_state, q.shape[0], q.shape[1], v.shape[-1], q.shape[-1], q.device)
+
+
 def _full_precision(x: Tensor):
     """A context that turns autocast off on ``x``'s device where it is on (a model trained under
     bf16 autocast calls the memory with it on): this module's arithmetic is float32."""
@@ -117,10 +125,7 @@ def delta_rule_recurrent(
     batch, heads, length, d_k, d_v = _check_inputs(q, k, v, beta, initial_state)
     with _full_precision(q):  # float32 even under autocast: the state must not round to bf16
         out_dtype = q.dtype
-        q, k, v, beta = (x.float() for x in (q, k, v, beta))
-        if qk_l2norm:
-            q, k = l2_normalize(q), l2_normalize(k)
-        state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
+        q, k, v, beta, state = _float_inputs(q, k, v, beta, initial_state, qk_l2norm)
         outputs = []
         for t in range(length):
             k_t = k[:, :, t].unsqueeze(-1)  # (B, H, d_k, 1)
@@ -218,10 +223,7 @@ def delta_rule_chunked(
 
     with _full_precision(q):  # float32 even under autocast: the state must not round to bf16
         out_dtype = q.dtype
-        q, k, v, beta = (x.float() for x in (q, k, v, beta))
-        if qk_l2norm:
-            q, k = l2_normalize(q), l2_normalize(k)
-        state = _initial_state(initial_state, batch, heads, d_v, d_k, q.device)
+        q, k, v, beta, state = _float_inputs(q, k, v, beta, initial_state, qk_l2norm)
         if length == 0:
             return q.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
 
