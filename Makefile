@@ -28,7 +28,7 @@ help:
 	@echo "make demo    - set up, then FedAvg-LoRA, FedNL, FLITE and SmartFed on SmolLM2 via 'flwr run .' (10-18 min on 2 CPU cores), one table"
 	@echo "make test    - set up, then run the test suite"
 	@echo "make assets  - install/convert the embedded models and data"
-	@echo "make bench   - run every benchmark script (bench/, ~8 h on 2 cores), then write docs/benchmarks.md"
+	@echo "make bench   - run every benchmark script (bench/, ~10 h on 2 cores), then write docs/benchmarks.md"
 	@echo "make deploy-local - a real SuperLink (TLS, node auth) + $(DEPLOY_NODES) SuperNodes on 127.0.0.1, one 'flwr run', all stopped"
 	@echo "make gpu-wheels - what a GPU machine lacks for bench/gpu_check.py, into .whl/ (<= 56 MiB; docs/gpu.md)"
 	@echo "make gpu-check  - ON THE GPU MACHINE: install .whl/ into /tmp/postcard-site, run bench/gpu_check.py (OUT=folder)"
@@ -88,7 +88,9 @@ test-fast: venv
 test-deploy-all: assets
 	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py
 
-# the demo and every benchmark (2 CPU cores: ~8 h in all), then docs/benchmarks.md from their reports
+# SmartFed's measured setting (conf/preset/smartfed-tuned.yaml) as overrides of the onboarding benchmark
+SMARTFED_TUNED := algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 algorithm.downlink=int4
+# the demo and every benchmark (2 CPU cores: ~10 h in all), then docs/benchmarks.md from their reports
 bench: assets
 	$(PY) -m postcard.demo --report docs/bench/demo
 	$(PY) bench/baseline_bytes.py
@@ -104,6 +106,10 @@ bench: assets
 	$(PY) bench/lm_memory.py
 	$(PY) bench/lm_memory.py --methods smartfed --variants bf16 bf16+ckpt --seq-len 128 --out docs/bench/lm_memory-bf16
 	$(PY) bench/onboarding.py --clients 4 --rounds 8 --seeds 3 --targets 45 40 36
+	$(PY) bench/onboarding.py --clients 4 --rounds 8 --seeds 3 --targets 45 40 36 --reuse-runs \
+		--smartfed-overrides "$(SMARTFED_TUNED)" --out docs/bench/onboarding-lr3-int4x12
+	$(PY) bench/onboarding.py --clients 4 --rounds 8 --seeds 3 --targets 45 40 36 --reuse-runs \
+		--smartfed-overrides "$(SMARTFED_TUNED)" --fedavg-lora-overrides "train.lr=3e-3" --out docs/bench/onboarding-fair-lr3e-3
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-int4 --out docs/bench/smartfed-int4
