@@ -142,14 +142,6 @@ def delta_rule_recurrent(
 
 
 # --------------------------------------------------------------------------- chunked (WY/UT) form
-def _unit_lower_inverse(lower: Tensor) -> Tensor:
-    """``(I + lower)^{-1}`` for strictly lower triangular ``lower`` (..., C, C): one batched
-    triangular solve against the identity (cheaper than solving for k and v side by side,
-    and nothing to concatenate or slice in the backward pass)."""
-    eye = torch.eye(lower.shape[-1], device=lower.device, dtype=lower.dtype)
-    return torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-
-
 def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> tuple[Tensor, Tensor]:
     """The UT transform of one block of keys: ``w = A (beta k)``, ``u = A (beta v)``.
 
@@ -168,7 +160,9 @@ def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> t
     eye = torch.eye(size, device=k.device, dtype=k.dtype)
     lower = torch.tril(k_beta @ k.transpose(-1, -2), diagonal=-1)
     if method == "solve":
-        inverse = _unit_lower_inverse(lower)
+        # A itself, from one solve against the identity: cheaper than solving for k and v side by side,
+        # and nothing to concatenate or slice in the backward pass
+        inverse = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
         return inverse @ k_beta, inverse @ v_beta
     if method == "rows":
         # A = I + M with M strictly lower; row by row, M[i] = -L[i] - sum_{j<i} L[i, j] M[j].
