@@ -4,6 +4,7 @@
     .venv/bin/python bench/lm_memory.py --quick               # tiny-llama, seconds
     .venv/bin/python bench/lm_memory.py --methods fedavg-lora --chunks 0 64 256
     .venv/bin/python bench/lm_memory.py --methods smartfed --variants bf16 bf16+ckpt   # + the frozen backbone in bf16
+    .venv/bin/python bench/lm_memory.py --methods smartfed --smartfed-overrides "algorithm.downlink=int4"
 
 Each (method, ``train.logit_chunk``) runs in a fresh process (``bench/memory.py``, the probe
 bench/smartfed.py uses too): the method's ``prepare`` builds the client's model (SmolLM2-135M
@@ -15,7 +16,8 @@ ratio of peak memory to the same method with the full logits (chunk 0) and to fe
 (always measured: the reference of the memory target). ``--variants`` adds the backbone
 stored in bfloat16 (``train.frozen_bf16``) and/or activation checkpointing
 (``train.grad_checkpointing``), with the chunked output layer. SmartFed's client gets the
-round-1 downlink of the model's pool (``--pool``).
+round-1 downlink of the model's pool (``--pool``); ``--smartfed-overrides`` are Hydra overrides
+of SmartFed's rows only (e.g. a tuned setting; fedavg-lora, the reference, stays as configured).
 ``train.logit_chunk`` (default 256) runs the output layer and the loss on that many tokens
 at a time, recomputed in backward, so the [batch, tokens, 49,152] logits never exist.
 Writes ``OUT/lm_memory.md`` and ``.json``.
@@ -56,6 +58,7 @@ def measure(method: str, chunk: int, variant: str, args) -> dict:
         overrides.append("model=tiny-llama")
     downlink = None
     if method == "smartfed":  # a client of round 1: the experts and routers the server sends (the model's pool)
+        overrides += shlex.split(args.smartfed_overrides)
         if args.pool:
             overrides.append(f"algorithm.pool={args.pool}")
         cfg = compose(overrides, algorithm=method, task="shakespeare", preset="none")
@@ -80,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--pool", default=None, help="SmartFed's knowledge pool (default: the model's, postcard pool build)")
+    p.add_argument("--smartfed-overrides", default="",
+                   help="Hydra overrides for SmartFed's rows only, e.g. 'algorithm.downlink=int4'")
     p.add_argument("--quick", action="store_true", help="tiny-llama instead of SmolLM2 (seconds)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "lm_memory")
     args = p.parse_args(argv)
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
     text = report(rows, command, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lm_memory.md").write_text(text)
-    (args.out / "lm_memory.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+    results = {"command": command, "smartfed_overrides": args.smartfed_overrides, "rows": rows}
+    (args.out / "lm_memory.json").write_text(json.dumps(results, indent=2) + "\n")
     print(text)
     return 0
 
@@ -112,7 +118,8 @@ def report(rows: list[dict], command: str, args) -> str:
              "", f"Made by `{command.strip()}`, {time.strftime('%Y-%m-%d')}; one client process per row, "
              f"{args.batch_size} × {args.seq_len} tokens per step, 1 thread. Variants: "
              + "; ".join(f"{k} = {' '.join(v) or 'as configured'}" for k, v in VARIANTS.items() if k in args.variants)
-             + ". s/step includes the first step and depends on what else the machine ran.", "",
+             + ". s/step includes the first step and depends on what else the machine ran."
+             + (f" SmartFed's rows with `{args.smartfed_overrides}`." if args.smartfed_overrides else ""), "",
              "| method | train.logit_chunk | variant | peak RSS while training (MB) | above the loaded model (MB) | "
              "÷ same method, full logits, fp32 | ÷ fedavg-lora, full logits, fp32 | s/step | loss |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
