@@ -89,7 +89,8 @@ test-deploy-all: assets
 	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py
 
 # SmartFed's measured setting (conf/preset/smartfed-tuned.yaml) as overrides of the onboarding benchmark
-SMARTFED_TUNED := algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 algorithm.downlink=int4
+SMARTFED_TUNED := algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 algorithm.downlink=int4 \
+	algorithm.top_k=4
 # the demo and every benchmark (2 CPU cores: ~10 h in all), then docs/benchmarks.md from their reports
 bench: assets
 	$(PY) -m postcard.demo --report docs/bench/demo
@@ -107,9 +108,11 @@ bench: assets
 	$(PY) bench/lm_memory.py --methods smartfed --variants bf16 bf16+ckpt --seq-len 128 --out docs/bench/lm_memory-bf16
 	$(PY) bench/onboarding.py --clients 4 --rounds 8 --seeds 3 --targets 45 40 36
 	$(PY) bench/onboarding.py --clients 4 --rounds 8 --seeds 3 --targets 45 40 36 --reuse-runs \
-		--smartfed-overrides "$(SMARTFED_TUNED)" --out docs/bench/onboarding-lr3-int4x12
+		--smartfed-overrides "$(SMARTFED_TUNED)" --out docs/bench/onboarding-tuned-topk4
 	$(PY) bench/onboarding.py --clients 4 --rounds 8 --seeds 3 --targets 45 40 36 --reuse-runs \
-		--smartfed-overrides "$(SMARTFED_TUNED)" --fedavg-lora-overrides "train.lr=3e-3" --out docs/bench/onboarding-fair-lr3e-3
+		--smartfed-overrides "$(SMARTFED_TUNED)" --fedavg-lora-overrides "train.lr=3e-3" --out docs/bench/onboarding-fair-topk4
+	$(PY) bench/lm_memory.py --methods smartfed --chunks 0 64 32 --variants fp32 bf16+ckpt --seq-len 128 \
+		--smartfed-overrides "$(SMARTFED_TUNED)" --pool outputs/bench-onboarding/pool-smollm2 --out docs/bench/lm_memory-tuned
 	$(PY) bench/smartfed.py --runs-dir outputs/bench-smartfed
 	$(PY) bench/smartfed.py --smartfed-overrides "algorithm.payload=int4 algorithm.budget_per_matrix=12" \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-int4 --out docs/bench/smartfed-int4

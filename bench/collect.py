@@ -7,8 +7,9 @@ demo.md`` (``python -m postcard.demo --report docs/bench/demo``), ``docs/bench/f
 flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py --base public),
 ``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (bench/fednl.py
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py),
-``docs/bench/onboarding/``, ``docs/bench/onboarding-lr3-int4x12/`` and ``docs/bench/onboarding-fair-lr3e-3/``
-(bench/onboarding.py, in parts) and
+``docs/bench/onboarding/``, ``docs/bench/onboarding-tuned-topk4/``, ``docs/bench/onboarding-fair-topk4/``,
+the earlier tuned setting's ``docs/bench/onboarding-lr3-int4x12/`` and ``docs/bench/onboarding-fair-lr3e-3/``
+(bench/onboarding.py, in parts), ``docs/bench/lm_memory-tuned/`` and
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py), ``docs/bench/fuzz_table.md`` and
 ``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
 (bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py), ``docs/bench/overhead/overhead.md``
@@ -53,11 +54,18 @@ REPORTS = (
      "bench/onboarding.py --clients 4 --rounds 8 --seed-list 42|43|44 ..., then --merge (made in parts: docs/smartfed.md)",
      None),
     ("SmartFed's tuned setting (preset=smartfed-tuned) onboarding, 3 seeds × 4 clients × 8 rounds",
-     DOCS / "bench" / "onboarding-lr3-int4x12" / "onboarding.md",
+     DOCS / "bench" / "onboarding-tuned-topk4" / "onboarding.md",
      "bench/onboarding.py --smartfed-overrides ... --seed-list 42|43|44, then --merge (see Makefile; docs/smartfed.md)",
      None),
-    ("SmartFed tuned vs FedAvg-LoRA at lr 3e-3, onboarding, 3 seeds", DOCS / "bench" / "onboarding-fair-lr3e-3" / "onboarding.md",
+    ("SmartFed tuned vs FedAvg-LoRA at lr 3e-3, onboarding, 3 seeds", DOCS / "bench" / "onboarding-fair-topk4" / "onboarding.md",
      "bench/onboarding.py --fedavg-lora-overrides train.lr=3e-3 ... (see Makefile; docs/smartfed.md)", None),
+    ("SmartFed's earlier tuned setting (top_k 2) onboarding, 3 seeds", DOCS / "bench" / "onboarding-lr3-int4x12" / "onboarding.md",
+     "bench/onboarding.py --smartfed-overrides ... then --merge (docs/smartfed.md)", None),
+    ("SmartFed's earlier tuned setting (top_k 2) vs FedAvg-LoRA at lr 3e-3, 3 seeds",
+     DOCS / "bench" / "onboarding-fair-lr3e-3" / "onboarding.md",
+     "bench/onboarding.py --fedavg-lora-overrides train.lr=3e-3 ... (docs/smartfed.md)", None),
+    ("Client memory of SmartFed's tuned setting", DOCS / "bench" / "lm_memory-tuned" / "lm_memory.md",
+     "bench/lm_memory.py --methods smartfed --smartfed-overrides ... --seq-len 128 (see Makefile)", None),
     ("Uplink bytes of the baselines", DOCS / "bench" / "baseline_bytes.md", "bench/baseline_bytes.py", None),
     ("Hostile replies: every kind through every strategy", DOCS / "bench" / "fuzz_table.md", "bench/fuzz_table.py",
      None),

@@ -194,10 +194,10 @@ def test_smartfed_tuned_preset_is_the_setting_the_onboarding_benchmark_measured(
     """docs/smartfed.md's 3-seed variant ran `algorithm=smartfed train.lr=1e-3` with these overrides;
     `preset=smartfed-tuned` must train and send exactly that, whatever train.lr is."""
     measured = compose("train.lr=1e-3 algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 "
-                       "algorithm.downlink=int4", algorithm="smartfed").algorithm
+                       "algorithm.downlink=int4 algorithm.top_k=4", algorithm="smartfed").algorithm
     for lr in ("1e-3", "3e-4"):
         tuned = compose(f"train.lr={lr}", preset="smartfed-tuned").algorithm
         assert tuned.name == "smartfed"
-        assert {k: tuned[k] for k in ("payload", "budget_per_matrix", "downlink")} == \
-            {k: measured[k] for k in ("payload", "budget_per_matrix", "downlink")}
+        assert {k: tuned[k] for k in ("payload", "budget_per_matrix", "downlink", "top_k")} == \
+            {k: measured[k] for k in ("payload", "budget_per_matrix", "downlink", "top_k")}
         assert tuned.lr.experts == pytest.approx(3e-3) and tuned.lr.router == pytest.approx(1e-3)
