@@ -98,7 +98,17 @@ bench: assets
 	$(PY) bench/fuzz_table.py
 	$(PY) bench/flite.py
 	$(PY) bench/flite.py --base public --seeds 5 --methods flite-int4 fedavg-full full-latent-int4 flite-fp32 \
-		fedavg-lora --runs outputs/bench-flite-near --out docs/bench/flite-near
+		fedavg-lora --runs outputs/bench-flite-near --out outputs/bench-flite-near-main
+	$(PY) bench/flite.py --base public --seed-list 0 --methods topk-ef powersgd fedavg-full-int4 \
+		--runs outputs/bench-flite-near --out outputs/bench-flite-near-compressed
+	$(PY) bench/flite.py --merge outputs/bench-flite-near-main/flite.json outputs/bench-flite-near-compressed/flite.json \
+		--out docs/bench/flite-near
+	$(PY) bench/flite.py --base public --task fmnist --seeds 5 --methods flite-int4 fedavg-full \
+		--runs outputs/bench-flite-fmnist --out outputs/bench-flite-fmnist-main
+	$(PY) bench/flite.py --base public --task fmnist --seed-list 0 --methods flite-fp32 fedavg-lora full-latent-int4 \
+		fedavg-full-int4 topk-ef powersgd --runs outputs/bench-flite-fmnist --out outputs/bench-flite-fmnist-others
+	$(PY) bench/flite.py --merge outputs/bench-flite-fmnist-main/flite.json outputs/bench-flite-fmnist-others/flite.json \
+		--out docs/bench/flite-near-fmnist
 	$(PY) bench/wire_bytes.py
 	$(PY) bench/secagg.py
 	$(PY) bench/privacy.py

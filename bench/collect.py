@@ -4,7 +4,8 @@
 
 Collects, in this order, whatever each benchmark script last wrote: ``docs/bench/demo/
 demo.md`` (``python -m postcard.demo --report docs/bench/demo``), ``docs/bench/flite/
-flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` (bench/flite.py --base public),
+flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` and ``docs/bench/flite-near-fmnist/flite.md``
+(bench/flite.py --base public),
 ``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (bench/fednl.py
 --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py),
 ``docs/bench/onboarding/``, ``docs/bench/onboarding-tuned-topk4/``, ``docs/bench/onboarding-fair-topk4/``,
@@ -37,6 +38,8 @@ REPORTS = (
      "bench/flite.py", None),
     ("FLITE from a task-pretrained base (near regime, CIFAR-10)", DOCS / "bench" / "flite-near" / "flite.md",
      "bench/flite.py --base public --seeds 5 ... --out docs/bench/flite-near (see Makefile; made in parts: docs/flite.md)", None),
+    ("FLITE from a task-pretrained base (near regime, Fashion-MNIST)", DOCS / "bench" / "flite-near-fmnist" / "flite.md",
+     "bench/flite.py --base public --task fmnist ... then --merge (see Makefile; made in parts: docs/flite.md)", None),
     ("A FLITE reply on the wire", DOCS / "bench" / "wire_bytes.md", "bench/wire_bytes.py", None),
     ("Causal-LM client memory: full logits vs the chunked output layer", DOCS / "bench" / "lm_memory" / "lm_memory.md",
      "bench/lm_memory.py", None),
