@@ -88,6 +88,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny-llama instead of SmolLM2 (seconds)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "lm_memory")
     args = p.parse_args(argv)
+    if args.smartfed_overrides:  # a typo fails here, not after the reference rows have run for minutes
+        from fedapps.config import compose
+
+        try:
+            compose(shlex.split(args.smartfed_overrides), algorithm="smartfed", task="shakespeare", preset="none")
+        except ValueError as err:  # ConfigError, or shlex's unbalanced quotes
+            p.error(f"--smartfed-overrides: {err}")
     args.workdir = Path(tempfile.mkdtemp(prefix="lm-memory-"))
     if 0 not in args.chunks:
         args.chunks = [0, *args.chunks]  # the reference of every ratio
