@@ -86,6 +86,12 @@ def parse_args(argv=None):
                         "questions, item by item, and compare them paired (95%% intervals, McNemar, "
                         "non-inferiority at --margin) against fedavg-lora and FedNL against its ablation")
     p.add_argument("--margin", type=float, default=0.02, help="non-inferiority margin of --paired (0.02 = 2 points)")
+    p.add_argument("--mmlu-from", default="",
+                   help="comma list of results.json files of earlier MMLU runs (e.g. one algorithm each): their runs "
+                        "are taken as this run's MMLU section instead of training (with --paired: compared together)")
+    p.add_argument("--fednl-overrides", default="",
+                   help="Hydra overrides for FedNL's runs only (its modes and its ablation), e.g. "
+                        "\"algorithm.lr.gate=0.05\"; checked before anything runs")
     p.add_argument("--niah-rounds", type=int, default=1)
     p.add_argument("--niah-steps", type=int, default=3)
     p.add_argument("--niah-train-length", type=int, default=768, help="(the multi-value template needs >= ~510)")
@@ -122,6 +128,21 @@ def parse_args(argv=None):
         p.error(f"--margin must be a fraction in [0, 1), got {args.margin}")
     if args.mmlu_test < 1:
         p.error(f"--mmlu-test must be at least 1, got {args.mmlu_test}")
+    try:
+        args.fednl_overrides = shlex.split(args.fednl_overrides)
+    except ValueError as err:
+        p.error(f"--fednl-overrides: {err}")
+    if args.fednl_overrides and not args.render:  # a typo fails here, not after other runs took an hour
+        from fedapps.config import compose
+
+        try:
+            compose([*args.fednl_overrides, f"model={args.model}"], preset="fednl-cpu", algorithm="fednl")
+        except ValueError as err:  # ConfigError (an unknown key, a value out of range)
+            p.error(f"--fednl-overrides: {err}")
+    args.mmlu_from = [Path(x) for x in args.mmlu_from.split(",") if x]
+    missing = [str(x) for x in args.mmlu_from if not x.is_file()]
+    if missing:
+        p.error(f"--mmlu-from: no such file {missing}")
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
@@ -144,9 +165,10 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def algorithm_overrides(spec: str) -> tuple[str, list[str]]:
+def algorithm_overrides(spec: str, fednl_overrides=()) -> tuple[str, list[str]]:
     """'fednl:gate' -> ('fednl', ['algorithm.mode=gate']); 'fednl:ablate' -> FedNL's own ablation (meta-rules
-    with the memory path off: algorithm.ablate_memory=true); 'fedala' -> ('fedala', [...caps])."""
+    with the memory path off: algorithm.ablate_memory=true); 'fedala' -> ('fedala', [...caps]).
+    ``fednl_overrides`` (``--fednl-overrides``) go to every FedNL run, its ablation included."""
     name, _, mode = spec.partition(":")
     overrides = []
     if name == "fednl" and mode == "ablate":
@@ -156,6 +178,8 @@ def algorithm_overrides(spec: str) -> tuple[str, list[str]]:
     elif mode:
         raise SystemExit(f"only fednl takes a mode, got '{spec}'")
     overrides.append("algorithm.eval_local=true")  # every method reports its aggregation drop
+    if name == "fednl":
+        overrides += list(fednl_overrides)
     if name == "fedala":  # the start phase: at most 2 passes of 4 batches on 2 cores
         overrides += ["algorithm.ala.max_batches=4", "algorithm.ala.max_start_epochs=2"]
     if name == "fedssi":
@@ -178,13 +202,15 @@ def common(args) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- 1. MMLU
-def section_mmlu(args, out: Path) -> dict:
+def section_mmlu(args, out: Path, saved=None) -> dict:
+    """Each algorithm's run; ``saved(results)`` after each one (a stopped benchmark keeps the runs it
+    finished, usable with ``--mmlu-from``)."""
     from fedapps.config import compose
     from fedapps.outputs import read_metrics
 
     results = {}
     for spec in args.algorithms:
-        name, overrides = algorithm_overrides(spec)
+        name, overrides = algorithm_overrides(spec, args.fednl_overrides)
         cfg = compose(
             [*common(args), *overrides, f"model={args.model}", f"rounds={args.rounds}",
              f"train.local_steps={args.local_steps}", f"eval.max_batches={args.eval_batches}",
@@ -214,7 +240,24 @@ def section_mmlu(args, out: Path) -> dict:
         }
         log(f"MMLU {spec}: average {results[spec]['average']:.3f}, uplink {results[spec]['uplink_bytes']:,.0f} B, "
             f"{results[spec]['seconds']:.0f} s")
+        if saved is not None:
+            saved(results)
     return results
+
+
+def mmlu_from(paths: list[Path]) -> dict:
+    """The MMLU runs of earlier results.json files, merged in order (a later file's run of the same
+    algorithm replaces an earlier one); their run folders must still exist."""
+    merged = {}
+    for path in paths:
+        runs = json.loads(path.read_text()).get("mmlu") or {}
+        if not runs:
+            raise SystemExit(f"--mmlu-from: {path} holds no MMLU runs")
+        for spec, r in runs.items():
+            if not (Path(r["run_dir"]) / "config.yaml").is_file():
+                raise SystemExit(f"--mmlu-from: {spec}'s run folder {r['run_dir']} (from {path}) is gone")
+            merged[spec] = r
+    return merged
 
 
 ROUND0 = {"backbone": "fedavg-lora", "fednl at init": "fednl:meta-rules"}  # the untrained models, built as these
@@ -252,8 +295,10 @@ def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
         cfg = from_yaml((Path(source["run_dir"]) / "config.yaml").read_text())
         cfg.eval.max_batches = 0
         model, tokenizer = load_trained(cfg, {})  # untrained: FedNL at init, or the bare backbone
-        folder = out / f"mmlu_round0_{label.replace(' ', '-')}"
-        folder.mkdir(exist_ok=True)
+        # under --out itself, not this run's dated folder: parts of one benchmark share the scores
+        # (items.npz is keyed by the task, evaluation and partition settings and the seed)
+        folder = Path(args.out).expanduser().resolve() / f"mmlu_round0_{label.replace(' ', '-')}"
+        folder.mkdir(parents=True, exist_ok=True)
         log(f"MMLU paired: scoring the round-0 model ({label})")
         items[f"round 0: {label}"] = FinalModel(model, tokenizer, cfg, folder, {}).items()
         del model
@@ -308,7 +353,7 @@ def paired_lines(paired: dict) -> list[str]:
 def niah_cfg(args, out: Path, spec: str, run_name: str):
     from fedapps.config import compose
 
-    name, overrides = algorithm_overrides(spec)
+    name, overrides = algorithm_overrides(spec, args.fednl_overrides)
     if name == "fednl":  # the window bounds the softmax path; no pre-aggregation scoring here
         overrides += [f"algorithm.memory.window={args.window}", "algorithm.eval_local=false"]
     lengths = ",".join(str(x) for x in args.niah_lengths)
@@ -727,7 +772,10 @@ def main(argv=None) -> None:
             continue
         t0 = time.time()
         if section == "mmlu":
-            results["mmlu"] = section_mmlu(args, out)
+            def saved(runs: dict) -> None:
+                (out / "results.json").write_text(json.dumps({**results, "mmlu": runs}, indent=2, default=str))
+
+            results["mmlu"] = mmlu_from(args.mmlu_from) if args.mmlu_from else section_mmlu(args, out, saved)
             if args.paired:
                 results["mmlu_paired"] = mmlu_paired(args, out, results["mmlu"])
         elif section == "niah":
