@@ -158,12 +158,15 @@ def ut_transform(k: Tensor, v: Tensor, beta: Tensor, method: str = "solve") -> t
     v_beta = v * beta.unsqueeze(-1)
     size = k.shape[-2]
     eye = torch.eye(size, device=k.device, dtype=k.dtype)
-    lower = torch.tril(k_beta @ k.transpose(-1, -2), diagonal=-1)
+    gram = k_beta @ k.transpose(-1, -2)
     if method == "solve":
         # A itself, from one solve against the identity: cheaper than solving for k and v side by side,
-        # and nothing to concatenate or slice in the backward pass
-        inverse = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+        # and nothing to concatenate or slice in the backward pass. A unit lower-triangular solve reads
+        # only the strictly lower triangle of its matrix (and its gradient is that triangle's alone), so
+        # the Gram matrix goes in as it is: I + strictly_lower(gram) is never built.
+        inverse = torch.linalg.solve_triangular(gram, eye.expand_as(gram), upper=False, unitriangular=True)
         return inverse @ k_beta, inverse @ v_beta
+    lower = torch.tril(gram, diagonal=-1)
     if method == "rows":
         # A = I + M with M strictly lower; row by row, M[i] = -L[i] - sum_{j<i} L[i, j] M[j].
         neg = -lower
