@@ -591,6 +591,20 @@ def fmt_bytes(value) -> str:
     return "—" if value is None else f"{value:,.0f}"
 
 
+def drop_interval(run: dict, questions: int) -> tuple[float, float, float]:
+    """Mean aggregation drop over the clients (each scored on ``questions`` questions) and its 95%
+    normal interval, unpaired: var = sum over clients of p(1-p)/n for the local and the federated
+    accuracy, divided by the number of clients squared."""
+    import math
+
+    drops = [run["aggregation_drop"][c] for c in MMLU_CLIENTS]
+    federated = [run["per_client"][c] for c in MMLU_CLIENTS]
+    local = [f + d for f, d in zip(federated, drops)]
+    variance = sum(p * (1 - p) / questions for p in (*federated, *local)) / len(drops) ** 2
+    mean, half = sum(drops) / len(drops), 1.959964 * math.sqrt(variance)
+    return mean, mean - half, mean + half
+
+
 def report(args, results: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Model: {args.model}; seed {args.seed}; {time.strftime('%Y-%m-%d')}; "
@@ -609,13 +623,18 @@ def report(args, results: dict, command: str) -> str:
             lines.append(f"| {spec} | " + " | ".join(cells) + f" | {r['average']:.3f} | {initial} | "
                          f"{fmt_bytes(r['uplink_bytes'])} | {fmt_bytes(r['downlink_bytes'])} |")
         lines += ["", "Aggregation drop (client's own model before aggregation minus the federated model, "
-                      "accuracy on the same test questions, last round; positive = aggregation lost accuracy):", "",
-                  "| algorithm | " + " | ".join(MMLU_CLIENTS) + " | mean |", "|---|" + "---:|" * (len(MMLU_CLIENTS) + 1)]
+                      f"accuracy on the same {q} test questions per client, last round; positive = aggregation lost "
+                      "accuracy). The 95% interval of the mean is over the pooled questions, unpaired (the clients "
+                      "report accuracies, not answers: wider than a paired interval when the two models agree "
+                      "on most questions):", "",
+                  "| algorithm | " + " | ".join(MMLU_CLIENTS) + " | mean (95% CI) |",
+                  "|---|" + "---:|" * (len(MMLU_CLIENTS) + 1)]
         for spec, r in mmlu.items():
             if r["aggregation_drop"]:
                 drops = [r["aggregation_drop"].get(c) for c in MMLU_CLIENTS]
+                mean, low, high = drop_interval(r, q)
                 lines.append(f"| {spec} | " + " | ".join(f"{d:+.3f}" for d in drops) +
-                             f" | {sum(drops) / len(drops):+.3f} |")
+                             f" | {mean:+.3f} ({low:+.3f}..{high:+.3f}) |")
         lines.append("")
     if results.get("mmlu_paired"):
         lines += paired_lines(results["mmlu_paired"])

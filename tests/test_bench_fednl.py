@@ -1,0 +1,58 @@
+"""bench/fednl.py's own arithmetic and inputs: the aggregation drop's interval, FedNL-only overrides
+checked before anything runs, and earlier MMLU parts merged for the paired comparison."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import fednl as bench  # noqa: E402
+
+
+def test_drop_interval_matches_a_hand_computed_example():
+    # five clients, 16 questions each: federated accuracies and the drops (local - federated)
+    federated = dict(zip(bench.MMLU_CLIENTS, (0.25, 0.5, 0.25, 0.5, 0.75)))
+    drops = dict(zip(bench.MMLU_CLIENTS, (0.125, 0.0, -0.0625, 0.0, 0.0625)))
+    mean, low, high = bench.drop_interval({"per_client": federated, "aggregation_drop": drops}, 16)
+    assert mean == pytest.approx(0.025)
+    local = (0.375, 0.5, 0.1875, 0.5, 0.8125)
+    variance = sum(p * (1 - p) / 16 for p in (*federated.values(), *local)) / 25
+    assert high - mean == pytest.approx(1.959964 * math.sqrt(variance))
+    assert mean - low == pytest.approx(high - mean)
+
+
+def test_fednl_overrides_are_checked_before_anything_runs(capsys):
+    args = bench.parse_args(["--sections", "throughput", "--fednl-overrides", "algorithm.lr.gate=0.05"])
+    assert args.fednl_overrides == ["algorithm.lr.gate=0.05"]
+    name, overrides = bench.algorithm_overrides("fednl:ablate", args.fednl_overrides)
+    assert name == "fednl" and "algorithm.ablate_memory=true" in overrides and overrides[-1] == "algorithm.lr.gate=0.05"
+    assert "algorithm.lr.gate=0.05" not in bench.algorithm_overrides("fedavg-lora", args.fednl_overrides)[1]
+    for bad, said in (("algorithm.lr.gat=0.05", "unknown config key"), ("algorithm.lr.gate=-1", "number > 0"),
+                      ("'algorithm.lr.gate=1", "No closing quotation")):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--fednl-overrides", bad])
+        assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_mmlu_parts_merge_and_a_missing_run_folder_is_an_error(tmp_path):
+    runs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("seed: 1\n")
+        runs[name] = {"run_dir": str(tmp_path / name), "average": 0.3}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({"mmlu": {"fedavg-lora": runs["a"]}}))
+    second.write_text(json.dumps({"mmlu": {"fednl:meta-rules": runs["b"]}}))
+    assert list(bench.mmlu_from([first, second])) == ["fedavg-lora", "fednl:meta-rules"]
+    (tmp_path / "b" / "config.yaml").unlink()
+    with pytest.raises(SystemExit, match="run folder .* is gone"):
+        bench.mmlu_from([first, second])
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    with pytest.raises(SystemExit, match="holds no MMLU runs"):
+        bench.mmlu_from([empty])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mmlu-from", str(tmp_path / "nowhere.json")])
