@@ -360,7 +360,7 @@ def niah_cfg(args, out: Path, spec: str, run_name: str):
     return compose(
         [*common(args), *overrides, f"model={args.model}", f"rounds={args.niah_rounds}", "num_clients=7",
          f"train.local_steps={args.niah_steps}", "train.batch_size=1",
-         f"task.train_per_template={max(4, args.niah_steps)}", f"task.train_lengths=[{args.niah_train_length}]",
+         f"task.train_per_template={max(4, args.niah_rounds * args.niah_steps)}",  # no prompt trained on twice f"task.train_lengths=[{args.niah_train_length}]",
          f"task.test_per_template={args.niah_test_per_template}", f"task.test_lengths=[{lengths}]",
          "strategy.fraction_evaluate=0.0", f"output_dir={out}", f"run_name={run_name}"],
         task="niah", algorithm=name,
@@ -393,6 +393,21 @@ def load_trained(cfg, summary: dict):
 def niah_key(spec: str) -> str:
     """The NIAH (and stream) result key of an algorithm spec: fednl, fednl-ablate, fedavg-lora."""
     return {"fednl:meta-rules": "fednl", "fednl:ablate": "fednl-ablate"}.get(spec, spec.replace(":", "-"))
+
+
+def train_losses(run_dir) -> list[float]:
+    """The clients' mean retrieval loss (the answer letter's cross-entropy over the full vocabulary): at
+    the first step of round 1, then each round's training loss: whether training moved it at all."""
+    import numpy as np
+
+    from fedapps.outputs import read_metrics
+
+    rounds = [r for r in read_metrics(run_dir) if any("train_loss" in c for c in r["clients"])]
+    if not rounds:
+        return []
+    first = [c["train_first-loss"] for c in rounds[0]["clients"] if "train_first-loss" in c]
+    means = [float(np.mean([c["train_loss"] for c in r["clients"] if "train_loss" in c])) for r in rounds]
+    return ([float(np.mean(first))] if first else []) + means
 
 
 def section_niah(args, out: Path) -> tuple[dict, dict]:
@@ -430,6 +445,7 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
             "per_client": per_client,
             "per_length": {str(n): float(np.mean(scored["correct"][scored["length"] == n])) for n in lengths},
             "test_prompts_per_length": {str(n): int(np.sum(scored["length"] == n)) for n in lengths},
+            "train_loss": train_losses(summary["run_dir"]),
             "train_seconds": summary["bench_seconds"],
             "eval_seconds": time.time() - start,
             "run_dir": summary["run_dir"],
@@ -606,6 +622,8 @@ def drop_interval(run: dict, questions: int) -> tuple[float, float, float]:
 
 
 def report(args, results: dict, command: str) -> str:
+    from postcard.compare import wilson
+
     lines = [f"Command: `{command}`", "",
              f"Model: {args.model}; seed {args.seed}; {time.strftime('%Y-%m-%d')}; "
              f"total {results.get('seconds', 0) / 60:.1f} min on this machine.", ""]
@@ -645,11 +663,24 @@ def report(args, results: dict, command: str) -> str:
         lines += [f"### NIAH, 7 clients (one template each), {args.niah_rounds} round(s) x {args.niah_steps} steps on "
                   f"{args.niah_train_length}-token prompts; accuracy of the final global model "
                   f"({', '.join(f'{counts[k]} prompts at {k}' for k in lengths if k in counts)})", "",
-                  "| algorithm | " + " | ".join(f"{x} tokens" for x in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+                  "Accuracy (95% Wilson interval) per test length; the train loss is the clients' mean cross-entropy "
+                  "of the answer letter over the full vocabulary, at the first step and in the last round.", "",
+                  "| algorithm | " + " | ".join(f"{x} tokens" for x in lengths) + " | train loss first → last |",
+                  "|---|" + "---:|" * (len(lengths) + 1)]
         for name, r in niah.items():
             label = {"fednl": f"fednl (window {args.window})",
                      "fednl-ablate": f"fednl ablation, memory off (window {args.window})"}.get(name, name)
-            lines.append(f"| {label} | " + " | ".join(f"{r['per_length'].get(x, float('nan')):.3f}" for x in lengths) + " |")
+            cells = []
+            for x in lengths:
+                acc, n = r["per_length"].get(x), r["test_prompts_per_length"].get(x, 0)
+                if acc is None or not n:
+                    cells.append("—")
+                    continue
+                low, high = wilson(round(acc * n), n)
+                cells.append(f"{acc:.3f} ({low:.2f}..{high:.2f})")
+            loss = r.get("train_loss") or []
+            trend = f"{loss[0]:.3f} → {loss[-1]:.3f}" if len(loss) > 1 else "—"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {trend} |")
         lines.append("")
         paired = results.get("niah_paired") or {}
         if paired:
