@@ -224,6 +224,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_server_optimizer(cfg)
     _check_reply(cfg.algorithm)
     _check_importance(cfg.algorithm)
+    _check_smartfed(cfg)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -332,6 +333,19 @@ def _check_importance(algorithm) -> None:
 
     if algorithm.importance not in IMPORTANCE_MODES:
         raise ConfigError(f"algorithm.importance must be one of {list(IMPORTANCE_MODES)}, got {algorithm.importance!r}")
+
+
+def _check_smartfed(cfg: DictConfig) -> None:
+    """SmartFed's MoRE layer settings (``top_k``, ``mode``, ``gate_mode``, ...) as its clients will build
+    them (``fedapps.smartfed.more_config``): a bad value fails here, not when a model is built."""
+    if cfg.algorithm.name != "smartfed":
+        return
+    from fedapps.smartfed import more_config
+
+    try:
+        more_config(cfg)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"SmartFed's settings (algorithm.*): {err}") from None
 
 
 def _check_reply(algorithm) -> None:

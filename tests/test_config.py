@@ -85,6 +85,9 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(overrides="privacy.mode=local robust=krum"), "robust 'krum' does not fit"),
         (dict(overrides="privacy.mode=central privacy.epsilon=-1"), "privacy.epsilon .* must be a number > 0"),
         (dict(overrides="privacy.mode=everywhere"), "privacy.mode must be off, central or local"),
+        (dict(algorithm="smartfed", overrides="algorithm.top_k=0"), r"SmartFed's settings .*top_k must be >= 1, got 0"),
+        (dict(algorithm="smartfed", overrides="algorithm.gate_mode=sigmoid"), "gate_mode must be one of"),
+        (dict(algorithm="smartfed", overrides="algorithm.importance_decay=1"), r"importance_decay must be in \[0, 1\)"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
