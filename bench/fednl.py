@@ -108,6 +108,11 @@ def parse_args(argv=None):
     p.add_argument("--throughput-steps", type=int, default=3)
     p.add_argument("--throughput-batch", type=int, default=2)
     p.add_argument("--throughput-seq", type=int, default=512)
+    p.add_argument("--throughput-chunks", default="",
+                   help="comma list of extra chunk sizes of FedNL's training-time delta rule, timed beside the default")
+    p.add_argument("--throughput-profile", action="store_true",
+                   help="also profile one step of FedNL and of plain LoRA (torch.profiler): where FedNL's extra "
+                        "time goes, by operator")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of in-process measurements")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench-fednl"), help="folder for run folders and results")
@@ -152,6 +157,12 @@ def parse_args(argv=None):
     args.niah_algorithms = [a for a in args.niah_algorithms.split(",") if a]
     if "fednl:meta-rules" not in args.niah_algorithms:
         p.error("--niah-algorithms needs fednl:meta-rules (what the others are compared with)")
+    try:
+        args.throughput_chunks = [int(x) for x in args.throughput_chunks.split(",") if x]
+    except ValueError:
+        p.error(f"--throughput-chunks must be a comma list of integers, got {args.throughput_chunks!r}")
+    if any(c < 1 for c in args.throughput_chunks):
+        p.error("--throughput-chunks must be positive")
     args.memory_lengths = [int(x) for x in args.memory_lengths.split(",")]
     if max(args.memory_lengths) > args.stream_length:
         p.error("--memory-lengths must not exceed --stream-length")
@@ -563,7 +574,11 @@ def section_throughput(args) -> dict:
     fednl_cfg = compose(base, algorithm="fednl", task="mmlu")
     lora_cfg = compose([*base, "algorithm.lora.target_modules=[q_proj,k_proj,v_proj]"], algorithm="fedavg-lora",
                        task="mmlu")
+    chunk = int(fednl_cfg.algorithm.memory.chunk_size)
     models = {"fednl": fednl.prepare(fednl_cfg)[0], "lora-qkv": baselines.prepare(lora_cfg)[0]}
+    for extra in (c for c in args.throughput_chunks if c != chunk):
+        cfg = compose([*base, f"algorithm.memory.chunk_size={extra}"], algorithm="fednl", task="mmlu")
+        models[f"fednl chunk {extra}"] = fednl.prepare(cfg)[0]
     vocab = models["fednl"].get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab, (args.throughput_batch, args.throughput_seq), generator=generator)
@@ -591,11 +606,33 @@ def section_throughput(args) -> dict:
     rates = {k: tokens / (sum(w for w, _ in v) / len(v)) for k, v in times.items()}
     cpu_rates = {k: tokens / (sum(c for _, c in v) / len(v)) for k, v in times.items()}
     log(f"throughput: wall {rates}, per CPU-second {cpu_rates}")
-    return {"tokens_per_second": rates, "ratio": rates["fednl"] / rates["lora-qkv"],
-            "tokens_per_cpu_second": cpu_rates, "cpu_ratio": cpu_rates["fednl"] / cpu_rates["lora-qkv"],
-            "batch": args.throughput_batch, "seq": args.throughput_seq, "steps": args.throughput_steps,
-            "chunk_size": int(fednl_cfg.algorithm.memory.chunk_size), "threads": args.threads,
-            "trainable": {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()}}
+    result = {"tokens_per_second": rates, "ratio": rates["fednl"] / rates["lora-qkv"],
+              "tokens_per_cpu_second": cpu_rates, "cpu_ratio": cpu_rates["fednl"] / cpu_rates["lora-qkv"],
+              "batch": args.throughput_batch, "seq": args.throughput_seq, "steps": args.throughput_steps,
+              "chunk_size": chunk, "threads": args.threads,
+              "trainable": {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()}}
+    if args.throughput_profile:
+        result["profile"] = step_profile({k: (lambda k=k: step(k)) for k in ("fednl", "lora-qkv")})
+    return result
+
+
+def step_profile(steps: dict, top: int = 14) -> dict:
+    """Self CPU time per operator (ms per step, mean of 2 profiled steps) of each model's training step,
+    and the operators where the first model spends the most beyond the second."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_op = {}
+    for key, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+            step()
+        per_op[key] = {e.key: (e.self_cpu_time_total / 2e3, e.count // 2) for e in prof.key_averages()}
+    first, second = list(per_op)
+    extra = sorted(set(per_op[first]) | set(per_op[second]),
+                   key=lambda op: per_op[second].get(op, (0, 0))[0] - per_op[first].get(op, (0, 0))[0])
+    return {"models": [first, second],
+            "total_ms": {k: sum(ms for ms, _ in ops.values()) for k, ops in per_op.items()},
+            "ops": [{"op": op, **{k: per_op[k].get(op, (0.0, 0)) for k in (first, second)}} for op in extra[:top]]}
 
 
 # ---------------------------------------------------------------------------- report
@@ -730,6 +767,24 @@ def report(args, results: dict, command: str) -> str:
                   f"FedNL / plain LoRA = **{tp['ratio']:.2f}x** wall-clock, **{tp['cpu_ratio']:.2f}x** per CPU-second "
                   "(target >= 0.9x: " + ("met" if max(tp["ratio"], tp["cpu_ratio"]) >= 0.9 else "not met")
                   + "; on a shared machine the CPU-time ratio is the steadier one).", ""]
+        chunks = [k for k in rates if k.startswith("fednl chunk")]
+        if chunks:
+            lines += ["Other chunk sizes of the training-time delta rule, timed in the same loop:", "",
+                      "| model | tokens/s (wall) | tokens per CPU-second | / plain LoRA (CPU) |", "|---|---:|---:|---:|"]
+            lines += [f"| FedNL, {k[6:]} | {rates[k]:.1f} | {cpu[k]:.1f} | {cpu[k] / cpu['lora-qkv']:.2f}x |"
+                      for k in chunks]
+            lines.append("")
+        prof = tp.get("profile")
+        if prof:
+            a, b = prof["models"]
+            lines += [f"Where the extra time goes: self CPU time per operator, ms per step (torch.profiler, 2 steps each; "
+                      f"totals {prof['total_ms'][a]:,.0f} ms {a} vs {prof['total_ms'][b]:,.0f} ms {b}, profiler "
+                      "overhead included), the operators with the largest difference:", "",
+                      f"| operator | {a} ms (calls) | {b} ms (calls) | difference ms |", "|---|---:|---:|---:|"]
+            for row in prof["ops"]:
+                (ms_a, n_a), (ms_b, n_b) = row[a], row[b]
+                lines.append(f"| `{row['op'][:60]}` | {ms_a:,.1f} ({n_a}) | {ms_b:,.1f} ({n_b}) | {ms_a - ms_b:+,.1f} |")
+            lines.append("")
     return "\n".join(lines)
 
 

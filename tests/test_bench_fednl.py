@@ -56,3 +56,11 @@ def test_mmlu_parts_merge_and_a_missing_run_folder_is_an_error(tmp_path):
         bench.mmlu_from([empty])
     with pytest.raises(SystemExit):
         bench.parse_args(["--mmlu-from", str(tmp_path / "nowhere.json")])
+
+
+def test_throughput_chunks_are_parsed_and_checked(capsys):
+    assert bench.parse_args(["--throughput-chunks", "32,128"]).throughput_chunks == [32, 128]
+    for bad in ("32,x", "0"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--throughput-chunks", bad])
+        assert "--throughput-chunks" in capsys.readouterr().err
