@@ -105,6 +105,9 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=256, help="tokens per streamed block")
     p.add_argument("--stream-from", choices=("niah", "init"), default="niah",
                    help="stream the NIAH section's trained models, or the untrained ones (memory only needs these)")
+    p.add_argument("--niah-from", default="",
+                   help="results.json of an earlier NIAH run: its trained models and scores are this run's NIAH "
+                        "section (the stream streams them) instead of training again")
     p.add_argument("--throughput-steps", type=int, default=3)
     p.add_argument("--throughput-batch", type=int, default=2)
     p.add_argument("--throughput-seq", type=int, default=512)
@@ -144,6 +147,9 @@ def parse_args(argv=None):
             compose([*args.fednl_overrides, f"model={args.model}"], preset="fednl-cpu", algorithm="fednl")
         except ValueError as err:  # ConfigError (an unknown key, a value out of range)
             p.error(f"--fednl-overrides: {err}")
+    args.niah_from = Path(args.niah_from) if args.niah_from else None
+    if args.niah_from is not None and not args.niah_from.is_file():
+        p.error(f"--niah-from: no such file {str(args.niah_from)!r}")
     args.mmlu_from = [Path(x) for x in args.mmlu_from.split(",") if x]
     missing = [str(x) for x in args.mmlu_from if not x.is_file()]
     if missing:
@@ -419,6 +425,19 @@ def train_losses(run_dir) -> list[float]:
     first = [c["train_first-loss"] for c in rounds[0]["clients"] if "train_first-loss" in c]
     means = [float(np.mean([c["train_loss"] for c in r["clients"] if "train_loss" in c])) for r in rounds]
     return ([float(np.mean(first))] if first else []) + means
+
+
+def niah_from(path: Path, algorithms) -> tuple[dict, dict]:
+    """The NIAH section of an earlier results.json (its run folders must still exist), for ``algorithms``."""
+    earlier = json.loads(path.read_text())
+    niah = earlier.get("niah") or {}
+    missing = [spec for spec in algorithms if niah_key(spec) not in niah]
+    if missing:
+        raise SystemExit(f"--niah-from: {path} has no NIAH run of {missing} (it has {sorted(niah)})")
+    for key, r in niah.items():
+        if not (Path(r["run_dir"]) / "config.yaml").is_file():
+            raise SystemExit(f"--niah-from: {key}'s run folder {r['run_dir']} (from {path}) is gone")
+    return niah, earlier.get("niah_paired") or {}
 
 
 def section_niah(args, out: Path) -> tuple[dict, dict]:
@@ -884,13 +903,15 @@ def main(argv=None) -> None:
             if args.paired:
                 results["mmlu_paired"] = mmlu_paired(args, out, results["mmlu"])
         elif section == "niah":
-            results["niah"], results["niah_paired"] = section_niah(args, out)
+            results["niah"], results["niah_paired"] = (niah_from(args.niah_from, args.niah_algorithms)
+                                                       if args.niah_from else section_niah(args, out))
         elif section == "stream":
             if args.stream_from == "init":
                 results["stream"] = section_stream(args, out, None)
             else:
                 if "niah" not in results:
-                    results["niah"], results["niah_paired"] = section_niah(args, out)
+                    results["niah"], results["niah_paired"] = (niah_from(args.niah_from, args.niah_algorithms)
+                                                               if args.niah_from else section_niah(args, out))
                 results["stream"] = section_stream(args, out, results["niah"])
         else:
             results["throughput"] = section_throughput(args)

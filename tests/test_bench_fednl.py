@@ -64,3 +64,18 @@ def test_throughput_chunks_are_parsed_and_checked(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--throughput-chunks", bad])
         assert "--throughput-chunks" in capsys.readouterr().err
+
+
+def test_niah_from_takes_an_earlier_run_and_refuses_a_missing_algorithm_or_folder(tmp_path):
+    run = tmp_path / "niah_fednl"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 1\n")
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"niah": {"fednl": {"run_dir": str(run)}}, "niah_paired": {"4096": {}}}))
+    niah, paired = bench.niah_from(path, ["fednl:meta-rules"])
+    assert list(niah) == ["fednl"] and paired == {"4096": {}}
+    with pytest.raises(SystemExit, match=r"no NIAH run of \['fedavg-lora'\]"):
+        bench.niah_from(path, ["fednl:meta-rules", "fedavg-lora"])
+    (run / "config.yaml").unlink()
+    with pytest.raises(SystemExit, match="is gone"):
+        bench.niah_from(path, ["fednl:meta-rules"])
