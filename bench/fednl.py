@@ -13,7 +13,7 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    questions; for the pairs that report it: FedNL, FedALA, FedSSI). ``fednl:ablate`` is FedNL's
    own ablation (the memory path off, everything else as in meta-rules mode). With
    ``--paired`` every final model and the untrained ones (round 0) are scored item by item on
-   every client's held-out questions (``--mmlu-test`` per client; 700 gives ~2,040) and
+   every client's held-out questions (``--mmlu-test`` per client; 700 gives 2,257) and
    compared paired (``postcard.compare``): each method against fedavg-lora (95% interval,
    McNemar, non-inferiority at ``--margin``), FedNL against its ablation, each method against
    its own round 0.
@@ -80,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--mmlu-max-length", type=int, default=256, help="MMLU prompt tokens (longer ones are cut from the left)")
     p.add_argument("--mmlu-test", type=int, default=200,
                    help="held-out MMLU questions per client at most (task.max_test; a sixth of a super-category "
-                        "at most: 700 gives ~2,040 over the 5 clients)")
+                        "at most: 700 gives 2,257 over the 5 clients)")
     p.add_argument("--paired", action="store_true",
                    help="MMLU: also score every final model, and the untrained ones (round 0), on all held-out "
                         "questions, item by item, and compare them paired (95%% intervals, McNemar, "
