@@ -377,7 +377,8 @@ def niah_cfg(args, out: Path, spec: str, run_name: str):
     return compose(
         [*common(args), *overrides, f"model={args.model}", f"rounds={args.niah_rounds}", "num_clients=7",
          f"train.local_steps={args.niah_steps}", "train.batch_size=1",
-         f"task.train_per_template={max(4, args.niah_rounds * args.niah_steps)}",  # no prompt trained on twice f"task.train_lengths=[{args.niah_train_length}]",
+         f"task.train_per_template={max(4, args.niah_rounds * args.niah_steps)}",  # no prompt trained on twice
+         f"task.train_lengths=[{args.niah_train_length}]",
          f"task.test_per_template={args.niah_test_per_template}", f"task.test_lengths=[{lengths}]",
          "strategy.fraction_evaluate=0.0", f"output_dir={out}", f"run_name={run_name}"],
         task="niah", algorithm=name,

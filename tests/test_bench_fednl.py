@@ -79,3 +79,15 @@ def test_niah_from_takes_an_earlier_run_and_refuses_a_missing_algorithm_or_folde
     (run / "config.yaml").unlink()
     with pytest.raises(SystemExit, match="is gone"):
         bench.niah_from(path, ["fednl:meta-rules"])
+
+
+def test_niah_runs_train_on_the_asked_prompts_and_test_on_the_asked_lengths(tmp_path):
+    args = bench.parse_args(["--sections", "niah", "--niah-rounds", "3", "--niah-steps", "6", "--niah-train-length", "768",
+                             "--niah-test-per-template", "45", "--fednl-overrides", "algorithm.lr.gate=0.2"])
+    fednl_cfg = bench.niah_cfg(args, tmp_path, "fednl:meta-rules", "x")
+    assert list(fednl_cfg.task.train_lengths) == [768] and fednl_cfg.task.train_per_template == 18
+    assert list(fednl_cfg.task.test_lengths) == [1024, 2048, 4096] and fednl_cfg.task.test_per_template == 45
+    assert fednl_cfg.algorithm.memory.window == 512 and fednl_cfg.algorithm.lr.gate == 0.2
+    assert fednl_cfg.rounds == 3 and fednl_cfg.train.local_steps == 6 and fednl_cfg.train.batch_size == 1
+    lora_cfg = bench.niah_cfg(args, tmp_path, "fedavg-lora", "y")
+    assert list(lora_cfg.task.train_lengths) == [768] and "lr" not in lora_cfg.algorithm
