@@ -105,6 +105,9 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=256, help="tokens per streamed block")
     p.add_argument("--stream-from", choices=("niah", "init"), default="niah",
                    help="stream the NIAH section's trained models, or the untrained ones (memory only needs these)")
+    p.add_argument("--niah-resume", default="",
+                   help="folder of an earlier (possibly stopped) NIAH run: each algorithm whose run there finished "
+                        "and was scored (niah_<name>/niah_items.npz) is taken as it is; only the others train")
     p.add_argument("--niah-from", default="",
                    help="results.json of an earlier NIAH run: its trained models and scores are this run's NIAH "
                         "section (the stream streams them) instead of training again")
@@ -147,6 +150,9 @@ def parse_args(argv=None):
             compose([*args.fednl_overrides, f"model={args.model}"], preset="fednl-cpu", algorithm="fednl")
         except ValueError as err:  # ConfigError (an unknown key, a value out of range)
             p.error(f"--fednl-overrides: {err}")
+    args.niah_resume = Path(args.niah_resume) if args.niah_resume else None
+    if args.niah_resume is not None and not args.niah_resume.is_dir():
+        p.error(f"--niah-resume: no such folder {str(args.niah_resume)!r}")
     args.niah_from = Path(args.niah_from) if args.niah_from else None
     if args.niah_from is not None and not args.niah_from.is_file():
         p.error(f"--niah-from: no such file {str(args.niah_from)!r}")
@@ -428,6 +434,41 @@ def train_losses(run_dir) -> list[float]:
     return ([float(np.mean(first))] if first else []) + means
 
 
+def niah_result(scored: dict, summary: dict, train_seconds=None, eval_seconds=None) -> dict:
+    """One NIAH run's entry of the results: accuracy per client (template) and per length, the counts,
+    the retrieval loss by round, and where its model is."""
+    import numpy as np
+
+    lengths = sorted(int(x) for x in set(scored["length"].tolist()))
+    templates = [str(t) for t in scored["template"]]
+    return {
+        "per_client": {templates[pid]: float(np.mean(scored["correct"][scored["client"] == pid]))
+                       for pid in range(len(templates))},
+        "per_length": {str(n): float(np.mean(scored["correct"][scored["length"] == n])) for n in lengths},
+        "test_prompts_per_length": {str(n): int(np.sum(scored["length"] == n)) for n in lengths},
+        "train_loss": train_losses(summary["run_dir"]),
+        "train_seconds": train_seconds,
+        "eval_seconds": eval_seconds,
+        "run_dir": summary["run_dir"],
+        "final_state": summary["final_state"],
+    }
+
+
+def resumed_niah(folder: Path) -> tuple[dict, dict]:
+    """A finished and scored NIAH run folder (``--niah-resume``): its results entry and its items."""
+    import numpy as np
+
+    summary = json.loads((folder / "summary.json").read_text())
+    summary["run_dir"] = str(folder.resolve())
+    with np.load(folder / "niah_items.npz") as saved:
+        scored = {k: saved[k] for k in saved.files}
+    if "template" not in scored:  # saved before the templates were kept: the task's order, one per client
+        from fedapps.config import from_yaml
+
+        scored["template"] = np.asarray(list(from_yaml((folder / "config.yaml").read_text()).task.templates))
+    return niah_result(scored, summary), {k: v for k, v in scored.items() if k != "template"}
+
+
 def niah_from(path: Path, algorithms) -> tuple[dict, dict]:
     """The NIAH section of an earlier results.json (its run folders must still exist), for ``algorithms``."""
     earlier = json.loads(path.read_text())
@@ -455,11 +496,17 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
     results, items = {}, {}
     for spec in args.niah_algorithms:
         key = niah_key(spec)
+        done = args.niah_resume / f"niah_{key}" if args.niah_resume else None
+        if done is not None and (done / "niah_items.npz").is_file() and (done / "summary.json").is_file():
+            results[key], items[key] = resumed_niah(done)
+            log(f"NIAH {key}: taken from {done}: {results[key]['per_length']}")
+            continue
         cfg = niah_cfg(args, out, spec, f"niah_{key}")
         log(f"NIAH: training {key} ({cfg.rounds} round(s), {cfg.train.local_steps} steps of "
             f"{args.niah_train_length}-token prompts per client)")
         summary = run(cfg)
         start = time.time()
+        log(f"NIAH: scoring {key} on every client's test prompts")
         model, tokenizer = load_trained(cfg, summary)
         per_client, parts = {}, []
         for pid in range(7):
@@ -470,19 +517,11 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
             per_client[task.templates[0]] = float(np.mean(scores["correct"]))
             parts.append(scores)
         scored = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+        scored["template"] = np.asarray(list(per_client))
         np.savez(Path(summary["run_dir"]) / "niah_items.npz", **scored)
-        lengths = sorted(int(x) for x in set(scored["length"].tolist()))
-        results[key] = {
-            "per_client": per_client,
-            "per_length": {str(n): float(np.mean(scored["correct"][scored["length"] == n])) for n in lengths},
-            "test_prompts_per_length": {str(n): int(np.sum(scored["length"] == n)) for n in lengths},
-            "train_loss": train_losses(summary["run_dir"]),
-            "train_seconds": summary["bench_seconds"],
-            "eval_seconds": time.time() - start,
-            "run_dir": summary["run_dir"],
-            "final_state": summary["final_state"],
-        }
-        items[key] = scored
+        results[key] = niah_result(scored, summary, train_seconds=summary["bench_seconds"],
+                                   eval_seconds=time.time() - start)
+        items[key] = {k: v for k, v in scored.items() if k != "template"}
         log(f"NIAH {key}: {results[key]['per_length']}")
         del model
     paired = {}

@@ -91,3 +91,21 @@ def test_niah_runs_train_on_the_asked_prompts_and_test_on_the_asked_lengths(tmp_
     assert fednl_cfg.rounds == 3 and fednl_cfg.train.local_steps == 6 and fednl_cfg.train.batch_size == 1
     lora_cfg = bench.niah_cfg(args, tmp_path, "fedavg-lora", "y")
     assert list(lora_cfg.task.train_lengths) == [768] and "lr" not in lora_cfg.algorithm
+
+
+def test_a_scored_niah_run_is_resumed_with_its_accuracies(tmp_path):
+    import numpy as np
+
+    folder = tmp_path / "niah_fednl"
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps({"final_state": "theta.safetensors"}))
+    (folder / "config.yaml").write_text("task:\n  templates: [passkey, uuid-code]\n")
+    np.savez(folder / "niah_items.npz", client=np.array([0, 0, 1, 1]), length=np.array([1024, 4096, 1024, 4096]),
+             correct=np.array([1.0, 0.0, 1.0, 1.0]), index=np.arange(4), loss=np.zeros(4))
+    result, items = bench.resumed_niah(folder)
+    assert result["per_client"] == {"passkey": 0.5, "uuid-code": 1.0}
+    assert result["per_length"] == {"1024": 1.0, "4096": 0.5}
+    assert result["test_prompts_per_length"] == {"1024": 2, "4096": 2}
+    assert result["run_dir"] == str(folder.resolve()) and set(items) == {"client", "length", "correct", "index", "loss"}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--niah-resume", str(tmp_path / "nowhere")])
