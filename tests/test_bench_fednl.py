@@ -100,12 +100,16 @@ def test_a_scored_niah_run_is_resumed_with_its_accuracies(tmp_path):
     folder.mkdir()
     (folder / "summary.json").write_text(json.dumps({"final_state": "theta.safetensors"}))
     (folder / "config.yaml").write_text("task:\n  templates: [passkey, uuid-code]\n")
+    (folder / "metrics.jsonl").write_text(json.dumps(
+        {"round": 1, "clients": [{"train_loss": 2.0, "train_first-loss": 3.0}, {"train_loss": 1.0, "train_first-loss": 2.0}]}
+    ) + "\n")
     np.savez(folder / "niah_items.npz", client=np.array([0, 0, 1, 1]), length=np.array([1024, 4096, 1024, 4096]),
              correct=np.array([1.0, 0.0, 1.0, 1.0]), index=np.arange(4), loss=np.zeros(4))
     result, items = bench.resumed_niah(folder)
     assert result["per_client"] == {"passkey": 0.5, "uuid-code": 1.0}
     assert result["per_length"] == {"1024": 1.0, "4096": 0.5}
     assert result["test_prompts_per_length"] == {"1024": 2, "4096": 2}
+    assert result["train_loss"] == [2.5, 1.5]  # the first step's mean, then each round's
     assert result["run_dir"] == str(folder.resolve()) and set(items) == {"client", "length", "correct", "index", "loss"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--niah-resume", str(tmp_path / "nowhere")])
