@@ -516,6 +516,8 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
             scores["length"] = np.asarray([task.length_of(int(i)) for i in scores["index"]], dtype=np.int64)
             per_client[task.templates[0]] = float(np.mean(scores["correct"]))
             parts.append(scores)
+            log(f"NIAH {key}: client {pid + 1}/7 ({task.templates[0]}) scored on {len(scores['index'])} prompts, "
+                f"accuracy {per_client[task.templates[0]]:.3f}, {(time.time() - start) / 60:.1f} min so far")
         scored = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
         scored["template"] = np.asarray(list(per_client))
         np.savez(Path(summary["run_dir"]) / "niah_items.npz", **scored)
