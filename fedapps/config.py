@@ -223,7 +223,6 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_router_rounds(cfg.algorithm)
     _check_server_optimizer(cfg)
     _check_reply(cfg.algorithm)
-    _check_importance(cfg.algorithm)
     _check_smartfed(cfg)
     _check_secure(cfg)
     _check_privacy(cfg)
@@ -325,19 +324,9 @@ def _check_server_optimizer(cfg: DictConfig) -> None:
                           f"strategy.server_optimizer.name={settings.name!r} is not supported (use fedavg)")
 
 
-def _check_importance(algorithm) -> None:
-    """SmartFed's ``algorithm.importance``: usage or sensitivity (clients.smartfed.more)."""
-    if "importance" not in algorithm:
-        return
-    from clients.smartfed.more import IMPORTANCE_MODES
-
-    if algorithm.importance not in IMPORTANCE_MODES:
-        raise ConfigError(f"algorithm.importance must be one of {list(IMPORTANCE_MODES)}, got {algorithm.importance!r}")
-
-
 def _check_smartfed(cfg: DictConfig) -> None:
-    """SmartFed's MoRE layer settings (``top_k``, ``mode``, ``gate_mode``, ...) as its clients will build
-    them (``fedapps.smartfed.more_config``): a bad value fails here, not when a model is built."""
+    """SmartFed's MoRE layer settings (``top_k``, ``mode``, ``gate_mode``, ``importance``, ...) as its
+    clients will build them (``fedapps.smartfed.more_config``): a bad value fails here, not when a model is built."""
     if cfg.algorithm.name != "smartfed":
         return
     from fedapps.smartfed import more_config
