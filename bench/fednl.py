@@ -295,7 +295,7 @@ def round0_of(spec: str) -> str:
 
 def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
     """Every MMLU run's final model and the untrained ones, scored item by item on every client's
-    held-out questions (``eval.max_batches=0``; kept as ``items.npz`` in each run folder), then
+    held-out questions (``eval.max_batches=0``; kept as ``items-<key>.npz`` in each run folder), then
     paired: each method against fedavg-lora, FedNL's modes against its ablation, each method's final
     model against its round 0 (how far it moved)."""
     import numpy as np
@@ -319,7 +319,7 @@ def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
         cfg.eval.max_batches = 0
         model, tokenizer = load_trained(cfg, {})  # untrained: FedNL at init, or the bare backbone
         # under --out itself, not this run's dated folder: parts of one benchmark share the scores
-        # (items.npz is keyed by the task, evaluation and partition settings and the seed)
+        # (items-<key>.npz is keyed by the task, evaluation and partition settings and the seed)
         folder = Path(args.out).expanduser().resolve() / f"mmlu_round0_{label.replace(' ', '-')}"
         folder.mkdir(parents=True, exist_ok=True)
         log(f"MMLU paired: scoring the round-0 model ({label})")

@@ -78,8 +78,9 @@ class FinalModel:
     def items(self, progress=None) -> dict:
         """Per held-out item of every client (the items :meth:`evaluate` scores): ``client``,
         ``index`` (into that client's task examples), ``loss`` and, for accuracy tasks,
-        ``correct``. Kept in ``items.npz`` in the run folder (recomputed when the run's task or
-        evaluation settings differ from those it was made with)."""
+        ``correct``. Kept in the run folder as ``items-<key>.npz``, one file per key of the task,
+        evaluation and partition settings, client count and seed: scoring the run again with other
+        settings adds a file and never replaces one made with others."""
         import hashlib
 
         import numpy as np
@@ -90,11 +91,12 @@ class FinalModel:
         n = client_count(self.cfg)
         settings = {k: OmegaConf.to_container(self.cfg[k], resolve=True) for k in ("task", "eval", "partition")}
         key = hashlib.sha256(json.dumps([settings, n, int(self.cfg.seed)], sort_keys=True).encode()).hexdigest()[:16]
-        cache = self.run_dir / "items.npz"
-        if cache.is_file():
-            with np.load(cache) as saved:
-                if str(saved["key"]) == key:
-                    return {k: saved[k] for k in saved.files if k != "key"}
+        cache = self.run_dir / f"items-{key}.npz"
+        for path in (cache, self.run_dir / "items.npz"):  # items.npz: the single file of earlier versions
+            if path.is_file():
+                with np.load(path) as saved:
+                    if str(saved["key"]) == key:
+                        return {k: saved[k] for k in saved.files if k != "key"}
         parts = []
         for pid, n, task in self._client_tasks():
             scores = task.items(self.model, int(self.cfg.eval.batch_size), int(self.cfg.eval.max_batches))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedapps.config import compose, to_yaml
+from fedapps.final import load_run
 from postcard.compare import CompareError, compare, main, mcnemar_exact, noninferiority, paired_interval, wilson
 
 
@@ -91,7 +92,16 @@ def test_postcard_compare_pairs_runs_on_the_same_items_and_refuses_others(tmp_pa
     assert diff["mean"] == pytest.approx(row["accuracy"] - result["runs"]["ref"]["accuracy"])
     assert diff["ci95"][0] <= diff["mean"] <= diff["ci95"][1] and 0 <= diff["p_value"] <= 1
     assert "McNemar" in (tmp_path / "cmp" / "compare.md").read_text()
-    assert (ref / "items.npz").is_file()  # kept beside the run
+    kept = sorted(ref.glob("items-*.npz"))  # kept beside the run, one file per scoring settings
+    assert len(kept) == 1
+    # scoring the same run with other evaluation settings adds a file, and the first is reused as it is
+    final = load_run(ref)
+    final.cfg.eval.max_batches = 1
+    assert len(final.items()["index"]) < 20
+    assert len(list(ref.glob("items-*.npz"))) == 2
+    stamp = kept[0].stat().st_mtime_ns
+    final.cfg.eval.max_batches = 0
+    assert len(final.items()["index"]) == 20 and kept[0].stat().st_mtime_ns == stamp
     # a run scored on other items (another seed) cannot be paired with them
     third = _finished_run(tmp_path / "third", compose(["num_clients=2", "task.max_test=10", "eval.max_batches=0",
                                                         "seed=7"], preset="test", task="mmlu", partition="iid"), 0.0)
