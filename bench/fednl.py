@@ -296,13 +296,10 @@ def round0_of(spec: str) -> str:
 def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
     """Every MMLU run's final model and the untrained ones, scored item by item on every client's
     held-out questions (``eval.max_batches=0``; kept as ``items-<key>.npz`` in each run folder), then
-    paired: each method against fedavg-lora, FedNL's modes against its ablation, each method's final
-    model against its round 0 (how far it moved)."""
-    import numpy as np
-
+    paired: each method against fedavg-lora, FedNL's modes against its ablation and against every
+    other baseline, each method's final model against its round 0 (how far it moved)."""
     from fedapps.config import from_yaml
     from fedapps.final import FinalModel, load_run
-    from postcard.compare import compare, wilson
 
     items = {}
     for spec, r in mmlu.items():
@@ -325,18 +322,33 @@ def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
         log(f"MMLU paired: scoring the round-0 model ({label})")
         items[f"round 0: {label}"] = FinalModel(model, tokenizer, cfg, folder, {}).items()
         del model
-    result = {"margin": args.margin, "items": len(next(iter(items.values()))["index"])}
+    return paired_report(items, list(mmlu), args.margin)
+
+
+def paired_report(items: dict, specs: list, margin: float) -> dict:
+    """The paired comparisons of :func:`mmlu_paired` from per-question scores: ``items`` maps each
+    algorithm spec (and ``round 0: <label>``) to its scores (``postcard.compare`` format)."""
+    import numpy as np
+
+    from postcard.compare import compare, wilson
+
+    result = {"margin": margin, "items": len(next(iter(items.values()))["index"])}
     if "fedavg-lora" in items:
         result["vs_fedavg_lora"] = compare({"fedavg-lora": items["fedavg-lora"],
                                             **{k: v for k, v in items.items() if k != "fedavg-lora"}},
-                                           "fedavg-lora", "accuracy", margin=args.margin)
+                                           "fedavg-lora", "accuracy", margin=margin)
     if "fednl:ablate" in items:
         result["vs_ablation"] = compare({"fednl:ablate": items["fednl:ablate"],
                                          **{k: v for k, v in items.items() if k.startswith("fednl:") and
-                                            k != "fednl:ablate"}}, "fednl:ablate", "accuracy", margin=args.margin)
+                                            k != "fednl:ablate"}}, "fednl:ablate", "accuracy", margin=margin)
+    # FedNL against every other baseline (fedavg-lora is the table's own reference column)
+    fednl_specs = [k for k in specs if k.startswith("fednl:") and k != "fednl:ablate"]
+    result["fednl_vs_baselines"] = {
+        base: compare({base: items[base], **{k: items[k] for k in fednl_specs}}, base, "accuracy", margin=margin)
+        for base in specs if not base.startswith("fednl:") and base != "fedavg-lora"} if fednl_specs else {}
     result["moved"] = {spec: compare({"start": items[f"round 0: {round0_of(spec)}"], "final": items[spec]},
-                                     "start", "accuracy", margin=args.margin)["runs"]["final"]
-                       for spec in mmlu}
+                                     "start", "accuracy", margin=margin)["runs"]["final"]
+                       for spec in specs}
     result["accuracy"] = {name: {"accuracy": float(np.mean(r["correct"])),
                                  "ci95": wilson(int(np.sum(r["correct"] > 0.5)), len(r["correct"]))}
                           for name, r in items.items()}
@@ -369,6 +381,15 @@ def paired_lines(paired: dict) -> list[str]:
             lines.append(f"{name} − its ablation (memory off): {d['mean'] * 100:+.1f} pp "
                          f"({d['ci95'][0] * 100:+.1f}..{d['ci95'][1] * 100:+.1f}), McNemar p {d['p_value']:.3g} "
                          f"({d['other_right_ref_wrong']} questions gained, {d['ref_right_other_wrong']} lost).")
+    for base, cmp in paired.get("fednl_vs_baselines", {}).items():
+        for name, r in cmp["runs"].items():
+            d = r.get("accuracy_diff")
+            if d:
+                lines.append("")
+                lines.append(f"{name} − {base}: {d['mean'] * 100:+.1f} pp ({d['ci95'][0] * 100:+.1f}.."
+                             f"{d['ci95'][1] * 100:+.1f}), McNemar p {d['p_value']:.3g}, non-inferiority p "
+                             f"{d['noninferior_p']:.3g} ({d['other_right_ref_wrong']} questions gained, "
+                             f"{d['ref_right_other_wrong']} lost).")
     return lines + [""]
 
 

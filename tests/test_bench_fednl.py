@@ -1,11 +1,13 @@
 """bench/fednl.py's own arithmetic and inputs: the aggregation drop's interval, FedNL-only overrides
-checked before anything runs, and earlier MMLU parts merged for the paired comparison."""
+checked before anything runs, earlier MMLU parts merged for the paired comparison, FedNL paired
+with every baseline."""
 
 import json
 import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -113,3 +115,28 @@ def test_a_scored_niah_run_is_resumed_with_its_accuracies(tmp_path):
     assert result["run_dir"] == str(folder.resolve()) and set(items) == {"client", "length", "correct", "index", "loss"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--niah-resume", str(tmp_path / "nowhere")])
+
+
+def test_paired_report_pairs_fednl_with_every_baseline_and_renders_each_line():
+    n = 200
+    rng = np.random.default_rng(0)
+    base = rng.random(n) < 0.5
+
+    def scores(correct):
+        return {"client": np.zeros(n, dtype=np.int64), "index": np.arange(n), "loss": np.zeros(n),
+                "correct": correct.astype(np.float64)}
+
+    fednl = base.copy()
+    fednl[np.flatnonzero(~base)[:20]] = True  # 20 questions more than every baseline, none fewer
+    items = {"fedavg-lora": scores(base), "fedssi": scores(base), "fedala": scores(base),
+             "fednl:meta-rules": scores(fednl), "round 0: backbone": scores(base),
+             "round 0: fednl at init": scores(base)}
+    report = bench.paired_report(items, ["fedavg-lora", "fedssi", "fedala", "fednl:meta-rules"], 0.02)
+    assert sorted(report["fednl_vs_baselines"]) == ["fedala", "fedssi"]  # fedavg-lora is the table's own column
+    d = report["fednl_vs_baselines"]["fedssi"]["runs"]["fednl:meta-rules"]["accuracy_diff"]
+    assert d["mean"] == pytest.approx(20 / n) and d["other_right_ref_wrong"] == 20 and d["ref_right_other_wrong"] == 0
+    assert d["noninferior_p"] < 0.05
+    assert report["moved"]["fednl:meta-rules"]["accuracy_diff"]["mean"] == pytest.approx(20 / n)
+    text = "\n".join(bench.paired_lines(report))
+    assert "fednl:meta-rules − fedssi: +10.0 pp" in text and "fednl:meta-rules − fedala: +10.0 pp" in text
+    assert "(20 questions gained, 0 lost)" in text
