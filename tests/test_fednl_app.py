@@ -140,6 +140,7 @@ def test_strategy_refuses_anything_but_theta():
         (["algorithm.lora.send=b"], "send"),
         (["algorithm.memory.gate=vector"], "invalid algorithm.memory"),
         (["algorithm.memory.chunk_size=0"], "chunk_size"),
+        (["algorithm.memory.window=16", "algorithm.memory.sink=-1"], "sink"),
     ],
 )
 def test_bad_fednl_settings_fail_clearly(overrides, match):

@@ -166,10 +166,34 @@ def test_payload_names_need_the_memory_and_lora(llama):
         meta_rule_names(model, "everything")
 
 
+def test_the_window_keeps_the_sink_tokens_in_view(llama):
+    """With the memory silent, a window whose sinks cover the whole sequence is the backbone's full
+    attention; without sinks the same window is not; and a sink token's value reaches every later
+    token only through the sinks."""
+    ids = tokens(2, 60)
+    with torch.no_grad():
+        expected = llama(ids).logits
+        silent = dict(gate_init_logit=float("-inf"), window=8)
+        assert (add_delta_memory(copy.deepcopy(llama), FedNLConfig(**silent, sink=60))(ids).logits
+                - expected).abs().max() <= 1e-5
+        assert (add_delta_memory(copy.deepcopy(llama), FedNLConfig(**silent, sink=0))(ids).logits
+                - expected).abs().max() > 1e-3
+        changed = ids.clone()
+        changed[:, 1] = (ids[:, 1] + 1) % 256  # token 1: a sink with sink=4, out of the window at 20+ otherwise
+        for sink, moves in ((4, True), (0, False)):
+            model = add_delta_memory(copy.deepcopy(llama), FedNLConfig(**silent, sink=sink))
+            late = (model(changed).logits[:, 40:] - model(ids).logits[:, 40:]).abs().max().item()
+            assert (late > 1e-4) == moves, (sink, late)
+    with pytest.raises(ValueError, match="sink"):
+        FedNLConfig(window=8, sink=-1)
+    with pytest.raises(ValueError, match="sink"):
+        FedNLConfig(window=8, sink=True)
+
+
 # --------------------------------------------------------------------------- streaming
-@pytest.mark.parametrize("window", [None, 100, 24])
-def test_streaming_in_blocks_equals_one_full_forward(llama, window):
-    model = with_memory(llama, window=window, chunk_size=32)
+@pytest.mark.parametrize("window,sink", [(None, 4), (100, 4), (24, 4), (24, 0), (24, 70)])
+def test_streaming_in_blocks_equals_one_full_forward(llama, window, sink):
+    model = with_memory(llama, window=window, chunk_size=32, sink=sink)
     ids = tokens(2, 300)  # 4 blocks of 64 and a short one of 44
     with torch.no_grad():
         full = model(ids).logits
@@ -199,8 +223,9 @@ def test_streaming_state_does_not_grow_with_context(llama):
             pass
         sizes[length] = streamer.state_bytes()
         assert streamer.position == length
-    # per layer: memory (1 x 4 heads x 16 x 16) + window keys and values (1 x 2 kv heads x 64 x 16), float32
-    per_layer = 4 * (4 * 16 * 16 + 2 * (2 * window * 16))
+    # per layer: memory (1 x 4 heads x 16 x 16) + sink and window keys and values (1 x 2 kv heads x (4 + 64) x 16),
+    # float32
+    per_layer = 4 * (4 * 16 * 16 + 2 * (2 * (4 + window) * 16))
     assert sizes[1024] == sizes[4096] == 2 * per_layer
 
 

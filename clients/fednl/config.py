@@ -16,6 +16,7 @@ class FedNLConfig:
 
     chunk_size: int = 64  # tokens per chunk of the training-time (WY/UT) delta rule
     window: int | None = None  # softmax path's sliding window; None = the backbone's full attention
+    sink: int = 4  # with a window: the first tokens the softmax path always sees (attention sinks)
     gate: str = "scalar"  # "scalar" | "channel": one alpha per layer, or one per attention channel
     gate_init_logit: float = -4.0  # alpha = sigmoid(logit) at init
     beta: str = "input"  # "input": sigmoid(W x + b) per head | "constant": sigmoid(b) per head
@@ -30,6 +31,8 @@ class FedNLConfig:
             isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0
         ):
             raise ValueError(f"window must be None or a positive int, got {self.window!r}")
+        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
+            raise ValueError(f"sink must be a non-negative int, got {self.sink!r}")
         if self.gate not in GATE_MODES:
             raise ValueError(f"gate must be one of {GATE_MODES}, got {self.gate!r}")
         if self.beta not in BETA_MODES:

@@ -26,8 +26,13 @@ and the weights sum to one. Choices, where the papers leave room:
   ``sigmoid(gate_init_logit)`` (-4 -> 0.018). With alpha = 0 exactly (logit -inf, or
   -90 or below in float32) the layer returns the backbone's output bit for bit.
 * ``window``: None keeps the backbone's own (full causal) attention for the softmax path.
-  An int restricts it to the last ``window`` tokens (token i sees i-window+1 .. i); the
-  memory carries everything older. That bounds the streaming KV cache, so
+  An int restricts it to the last ``window`` tokens (token i sees i-window+1 .. i) plus
+  the first ``sink`` tokens of the sequence (attention sinks, as StreamingLLM: a
+  pretrained model parks much of its attention on the first tokens, and a plain sliding
+  window that drops them wrecks the softmax path: SmolLM2's held-out Shakespeare loss,
+  3.83 nats with full attention, is 6.63 with a 32-token window and 4.13 with the same
+  window and 4 sinks; ``bench/fednl.py --sections window``); the memory carries
+  everything else. That bounds the streaming KV cache at ``sink + window`` tokens, so
   :class:`~clients.fednl.stream.FedNLStreamer` runs any context length in constant memory.
 
 Training uses the chunked delta rule over the whole sequence (BPTT through the memory);
@@ -137,19 +142,28 @@ def _softmax_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling
     return out.transpose(1, 2)
 
 
-def _band(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
-    """Causal (and sliding-window) mask from absolute positions: (Tq, Tk) bool."""
+def _band(q_pos: Tensor, k_pos: Tensor, window: int | None, sink: int = 0) -> Tensor:
+    """Causal (and sliding-window) mask from absolute positions: (Tq, Tk) bool. With a window,
+    the keys at positions below ``sink`` stay visible (attention sinks)."""
     offset = q_pos[:, None] - k_pos[None, :]
     allowed = offset >= 0
     if window is not None:
-        allowed &= offset < window
+        allowed &= (offset < window) | (k_pos[None, :] < sink)
     return allowed
 
 
-def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: int, device) -> Tensor:
-    """The HF mask (causal + padding) restricted to the sliding window: (B, 1, T, Tk) bool."""
+def layer_sink(attn: nn.Module) -> int:
+    """The sink tokens a layer's windowed softmax path keeps: FedNL's ``sink`` when FedNL sets a
+    window, none on a layer with a sliding window of its own (Gemma3's local layers, Qwen2 with
+    ``use_sliding_window``), which the backbone was trained without sinks."""
+    config = attn.fednl_config
+    return int(config.sink) if config.window is not None and not getattr(attn, "sliding_window", None) else 0
+
+
+def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: int, device, sink: int = 0) -> Tensor:
+    """The HF mask (causal + padding) restricted to the sliding window and the sinks: (B, 1, T, Tk) bool."""
     q_pos = torch.arange(total - length, total, device=device)
-    allowed = _band(q_pos, torch.arange(total, device=device), window)[None, None]
+    allowed = _band(q_pos, torch.arange(total, device=device), window, sink)[None, None]
     if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4:
         allowed = allowed & _allowed(attention_mask[..., -total:])
     elif isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
@@ -165,27 +179,33 @@ def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: 
 
 
 class LayerStream:
-    """One layer's carried state while streaming: delta memory + sliding-window KV cache."""
+    """One layer's carried state while streaming: delta memory + the softmax path's KV cache
+    (with a window: the sink tokens and the last ``window`` tokens)."""
 
-    def __init__(self, window: int | None, form: str):
+    def __init__(self, window: int | None, form: str, sink: int = 0):
         self.window = window
+        self.sink = sink if window is not None else 0
         self.form = form
         self.memory: Tensor | None = None  # (B, H, d_v, d_k) float32
-        self.keys: Tensor | None = None  # (B, KV, <= window, d), after RoPE
+        self.keys: Tensor | None = None  # (B, KV, <= sink + window, d), after RoPE
         self.values: Tensor | None = None
+        self.positions: Tensor | None = None  # the cached keys' absolute positions
         self.seen = 0  # tokens processed so far
 
     def softmax_path(self, attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, dropout: float) -> Tensor:
         length = q.shape[2]
+        q_pos = torch.arange(self.seen, self.seen + length, device=q.device)
+        k_pos = q_pos
         if self.keys is not None:
             k = torch.cat([self.keys, k], dim=2)
             v = torch.cat([self.values, v], dim=2)
-        q_pos = torch.arange(self.seen, self.seen + length, device=q.device)
-        k_pos = torch.arange(self.seen + length - k.shape[2], self.seen + length, device=q.device)
-        allowed = _band(q_pos, k_pos, self.window)
+            k_pos = torch.cat([self.positions, q_pos])
+        allowed = _band(q_pos, k_pos, self.window, self.sink)
         out = _softmax_attention(q, k, v, allowed, attn.scaling, dropout, attn.num_key_value_groups)
-        keep = k.shape[2] if self.window is None else min(self.window, k.shape[2])
-        self.keys, self.values = k[:, :, -keep:].detach(), v[:, :, -keep:].detach()
+        if self.window is not None:  # what a later token can still see: the sinks and the last `window`
+            keep = (k_pos < self.sink) | (k_pos >= self.seen + length - self.window)
+            k, v, k_pos = k[:, :, keep], v[:, :, keep], k_pos[keep]
+        self.keys, self.values, self.positions = k.detach(), v.detach(), k_pos
         return out
 
     def nbytes(self) -> int:
@@ -246,7 +266,7 @@ def dual_path_attention_forward(
             )
         else:
             total = k_all.shape[2]
-            allowed = _windowed_mask(attention_mask, batch, length, total, config.window, q_rot.device)
+            allowed = _windowed_mask(attention_mask, batch, length, total, config.window, q_rot.device, layer_sink(self))
             soft = _softmax_attention(q_rot, k_all, v_all, allowed, self.scaling, dropout, self.num_key_value_groups)
 
     # ---- memory path: delta rule on the pre-RoPE projections

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from clients.fednl.layer import LayerStream
+from clients.fednl.layer import LayerStream, layer_sink
 from clients.fednl.model import memory_attentions
 
 Tensor = torch.Tensor
@@ -79,7 +79,7 @@ class FedNLStreamer(BlockStreamer):
     """Runs a FedNL model over an arbitrarily long token stream, block by block.
 
     Each layer carries (a) its delta-memory state, ``(batch, heads, d_v, d_k)``, and
-    (b) a KV cache of at most ``window`` tokens for the softmax path, so with a window
+    (b) a KV cache of at most ``sink + window`` tokens for the softmax path, so with a window
     the carried state, and the peak memory of a block, do not grow with the context.
     (``window=None`` keeps the whole KV cache: exact full attention, growing memory.)
     Sequences in a batch advance together; padding is not supported here.
@@ -101,7 +101,7 @@ class FedNLStreamer(BlockStreamer):
 
     def reset(self) -> None:
         """Forget everything: a new stream starts with S = 0 and an empty cache."""
-        self.states = [LayerStream(_stream_window(attn), self.form) for attn in self.attentions]
+        self.states = [LayerStream(_stream_window(attn), self.form, layer_sink(attn)) for attn in self.attentions]
         self.position = 0
 
     def state_bytes(self) -> int:
