@@ -31,6 +31,12 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    ``--stream-from init`` the untrained ones (FedNL at init, the bare backbone).
 4. ``throughput``: training tokens/s of FedNL (memory + LoRA q/k/v) vs plain LoRA on
    q/k/v with the same rank, same batch, interleaved timed steps.
+5. ``lm``: what the memory adds where the softmax path cannot see: 4-client Shakespeare
+   (one play each) on ``--lm-seq``-token windows, FedNL's softmax path limited to its 4
+   sink tokens and the last ``--lm-window`` tokens; held-out loss window by window of the
+   untrained backbone (full attention; the window without and with sinks), then of FedNL,
+   its ablation (same window and sinks, memory off) and fedavg-lora (full attention) after
+   ``--lm-rounds`` rounds; FedNL paired against its ablation, α per layer at the end.
 
 Targets from the issue: FedNL's peak memory grows <= 1.1x from the first to the last
 memory length; FedNL trains at >= 0.9x plain LoRA's tokens/s (issue #15; 0.7x before it). ``--write-docs`` puts the
@@ -59,10 +65,11 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-SECTIONS = ("mmlu", "niah", "stream", "throughput")
+SECTIONS = ("mmlu", "niah", "stream", "throughput", "lm")
 ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate",
               "fednl:ablate")
 NIAH_ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
+LM_ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
 MMLU_CLIENTS = ("law_ethics", "humanities", "stem", "math_cs", "medicine_psychology")
 DOC_START, DOC_END = "<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->"
 
@@ -119,6 +126,13 @@ def parse_args(argv=None):
     p.add_argument("--throughput-profile", action="store_true",
                    help="also profile one step of FedNL and of plain LoRA (torch.profiler): where FedNL's extra "
                         "time goes, by operator")
+    p.add_argument("--lm-window", type=int, default=32,
+                   help="lm: FedNL's softmax window (its 4 sink tokens aside) on Shakespeare windows of --lm-seq")
+    p.add_argument("--lm-seq", type=int, default=256, help="lm: tokens per training and held-out window")
+    p.add_argument("--lm-rounds", type=int, default=3)
+    p.add_argument("--lm-steps", type=int, default=10, help="lm: local steps per round (batches of 2 windows)")
+    p.add_argument("--lm-algorithms", default=",".join(LM_ALGORITHMS),
+                   help="lm: FedNL, its ablation (the same window and sinks, memory off), fedavg-lora (full attention)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of in-process measurements")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench-fednl"), help="folder for run folders and results")
@@ -135,6 +149,7 @@ def parse_args(argv=None):
         args.niah_lengths, args.niah_test_per_template, args.window = "640,768", 2, 128
         args.stream_length, args.memory_lengths, args.block = 2048, "512,1024,2048", 128
         args.throughput_steps, args.throughput_seq = 1, 128
+        args.lm_rounds, args.lm_steps, args.lm_seq, args.lm_window = 1, 1, 64, 16
     if not 0 <= args.margin < 1:
         p.error(f"--margin must be a fraction in [0, 1), got {args.margin}")
     if args.mmlu_test < 1:
@@ -169,6 +184,12 @@ def parse_args(argv=None):
     args.niah_algorithms = [a for a in args.niah_algorithms.split(",") if a]
     if "fednl:meta-rules" not in args.niah_algorithms:
         p.error("--niah-algorithms needs fednl:meta-rules (what the others are compared with)")
+    args.lm_algorithms = [a for a in args.lm_algorithms.split(",") if a]
+    unknown = [a for a in args.lm_algorithms if a not in LM_ALGORITHMS]
+    if unknown or not args.lm_algorithms:
+        p.error(f"--lm-algorithms: each of {LM_ALGORITHMS}, got {unknown or 'none'}")
+    if args.lm_window < 1 or args.lm_seq <= args.lm_window:
+        p.error(f"--lm-window must be at least 1 and below --lm-seq ({args.lm_seq}), got {args.lm_window}")
     try:
         args.throughput_chunks = [int(x) for x in args.throughput_chunks.split(",") if x]
     except ValueError:
@@ -717,6 +738,109 @@ def step_profile(steps: dict, top: int = 14) -> dict:
             "ops": [{"op": op, **{k: per_op[k].get(op, (0.0, 0)) for k in (first, second)}} for op in extra[:top]]}
 
 
+# ---------------------------------------------------------------------------- 5. language modelling past a window
+def lm_cfg(args, out: Path, spec: str, run_name: str, **memory):
+    """A 4-client Shakespeare run (one play each) on ``--lm-seq``-token windows; FedNL's softmax path
+    sees its sinks and the last ``--lm-window`` tokens, the memory the rest (``memory``: overrides of
+    algorithm.memory, e.g. ``sink=0``)."""
+    from fedapps.config import compose
+
+    name, overrides = algorithm_overrides(spec, args.fednl_overrides)
+    if name == "fednl":
+        overrides += [f"algorithm.memory.window={args.lm_window}", "algorithm.eval_local=false",
+                      *(f"algorithm.memory.{k}={v}" for k, v in memory.items())]
+    return compose(
+        [*common(args), *overrides, f"model={args.model}", f"rounds={args.lm_rounds}", "num_clients=4",
+         f"train.local_steps={args.lm_steps}", "train.batch_size=2", f"train.seq_len={args.lm_seq}",
+         "eval.batch_size=2", "eval.max_batches=0", "strategy.fraction_evaluate=0.0",
+         f"output_dir={out}", f"run_name={run_name}"],
+        task="shakespeare", algorithm=name,
+    )
+
+
+def section_lm(args, out: Path) -> dict:
+    """What the memory adds where the softmax path cannot see: held-out Shakespeare loss, window by
+    window, of (a) the untrained backbone with full attention, with a ``--lm-window`` window and no
+    sinks, and with the window and 4 sinks; (b) FedNL, its ablation (the same window and sinks,
+    memory off) and fedavg-lora (full attention) after ``--lm-rounds`` federated rounds; FedNL paired
+    against its ablation (paired t on the per-window losses), α per layer at the end."""
+    import numpy as np
+    import torch
+
+    from fedapps.final import FinalModel, load_run
+    from postcard.compare import compare
+
+    torch.set_num_threads(args.threads)
+    items, runs = {}, {}
+    ablate = lm_cfg(args, out, "fednl:ablate", "lm_init")
+    for label, cfg in (("backbone, full attention", lm_cfg(args, out, "fedavg-lora", "lm_init")),
+                       (f"backbone, window {args.lm_window}, no sinks", lm_cfg(args, out, "fednl:ablate", "lm_init",
+                                                                               sink=0)),
+                       (f"backbone, window {args.lm_window} + {ablate.algorithm.memory.sink} sinks", ablate)):
+        log(f"lm: scoring the untrained {label}")
+        model, tokenizer = load_trained(cfg, {})
+        folder = out / f"lm_init_{len(items)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        items[f"init: {label}"] = FinalModel(model, tokenizer, cfg, folder, {}).items()
+        del model
+    for spec in args.lm_algorithms:
+        key = niah_key(spec)
+        cfg = lm_cfg(args, out, spec, f"lm_{key}")
+        log(f"lm: training {key} ({cfg.rounds} round(s) of {cfg.train.local_steps} steps, {args.lm_seq}-token windows)")
+        summary = run(cfg)
+        final = load_run(summary["run_dir"])
+        final.cfg.eval.max_batches = 0
+        items[key] = final.items()
+        alpha = summary.get("final_gate_alpha")
+        runs[key] = {"run_dir": summary["run_dir"], "train_seconds": summary.get("bench_seconds"),
+                     "uplink_bytes": summary.get("uplink_bytes_per_client_round"),
+                     "train_loss": train_losses(summary["run_dir"]),
+                     "alpha": None if alpha is None else [float(a) for a in np.ravel(alpha)]}
+        del final
+    losses = {name: float(np.mean(r["loss"])) for name, r in items.items()}
+    result = {"window": args.lm_window, "seq": args.lm_seq, "windows": len(next(iter(items.values()))["loss"]),
+              "rounds": args.lm_rounds, "steps": args.lm_steps, "loss": losses, "runs": runs}
+    if "fednl-ablate" in items:
+        result["vs_ablation"] = {k: v["loss_diff"] for k, v in compare(
+            {"fednl-ablate": items["fednl-ablate"], **{k: items[k] for k in items if k.startswith("fednl")
+                                                       and k != "fednl-ablate"}},
+            "fednl-ablate", "perplexity")["runs"].items() if "loss_diff" in v}
+    if "fedavg-lora" in items:
+        result["vs_fedavg_lora"] = {k: v["loss_diff"] for k, v in compare(
+            {"fedavg-lora": items["fedavg-lora"], **{k: items[k] for k in items if k != "fedavg-lora"}},
+            "fedavg-lora", "perplexity")["runs"].items() if "loss_diff" in v}
+    return result
+
+
+def lm_lines(lm: dict) -> list[str]:
+    import math
+
+    import numpy as np
+
+    lines = [f"### Language modelling past a {lm['window']}-token window (Shakespeare, 4 clients, "
+             f"{lm['rounds']} rounds x {lm['steps']} steps)", "",
+             f"Mean held-out loss (nats per token) over {lm['windows']} windows of {lm['seq']} tokens, every client's; "
+             "Δ is paired window by window (95% t-interval, paired t p).", "",
+             "| model | loss | perplexity | Δ vs FedNL's ablation (95% CI), p | Δ vs fedavg-lora (95% CI), p | α at the end |",
+             "|---|---:|---:|---|---|---|"]
+
+    def delta(d):
+        return f"{d['mean']:+.4f} ({d['ci95'][0]:+.4f}..{d['ci95'][1]:+.4f}), p {d['p_value']:.3g}" if d else "—"
+
+    for name, loss in lm["loss"].items():
+        alpha = (lm["runs"].get(name) or {}).get("alpha")
+        a = f"mean {np.mean(alpha):.3f}, max {np.max(alpha):.3f}" if alpha else "—"
+        lines.append(f"| {name} | {loss:.4f} | {math.exp(min(loss, 50)):.2f} | "
+                     f"{delta(lm.get('vs_ablation', {}).get(name))} | {delta(lm.get('vs_fedavg_lora', {}).get(name))} "
+                     f"| {a} |")
+    loss = lm["loss"]
+    if {"fednl", "fednl-ablate", "fedavg-lora"} <= set(loss) and loss["fednl-ablate"] > loss["fedavg-lora"]:
+        share = (loss["fednl-ablate"] - loss["fednl"]) / (loss["fednl-ablate"] - loss["fedavg-lora"])
+        lines += ["", f"The memory recovers {share * 100:.0f}% of the loss the window costs "
+                      "(FedNL's ablation → fedavg-lora with full attention)."]
+    return lines + [""]
+
+
 # ---------------------------------------------------------------------------- report
 def label_of(key: str, stream_result: dict) -> str:
     return stream_result.get("label") or ("FedNL recurrent" if key == "fednl" else "fedavg-lora + KV cache")
@@ -867,6 +991,8 @@ def report(args, results: dict, command: str) -> str:
                 (ms_a, n_a), (ms_b, n_b) = row[a], row[b]
                 lines.append(f"| `{row['op'][:60]}` | {ms_a:,.1f} ({n_a}) | {ms_b:,.1f} ({n_b}) | {ms_a - ms_b:+,.1f} |")
             lines.append("")
+    if results.get("lm"):
+        lines += lm_lines(results["lm"])
     return "\n".join(lines)
 
 
@@ -976,6 +1102,8 @@ def main(argv=None) -> None:
                     results["niah"], results["niah_paired"] = (niah_from(args.niah_from, args.niah_algorithms)
                                                                if args.niah_from else section_niah(args, out))
                 results["stream"] = section_stream(args, out, results["niah"])
+        elif section == "lm":
+            results["lm"] = section_lm(args, out)
         else:
             results["throughput"] = section_throughput(args)
         timings[section] = time.time() - t0

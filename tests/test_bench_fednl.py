@@ -140,3 +140,30 @@ def test_paired_report_pairs_fednl_with_every_baseline_and_renders_each_line():
     text = "\n".join(bench.paired_lines(report))
     assert "fednl:meta-rules − fedssi: +10.0 pp" in text and "fednl:meta-rules − fedala: +10.0 pp" in text
     assert "(20 questions gained, 0 lost)" in text
+
+
+def test_lm_runs_limit_fednl_to_its_window_and_sinks_and_bad_sizes_fail(tmp_path, capsys):
+    args = bench.parse_args(["--sections", "lm", "--lm-window", "32", "--lm-seq", "256", "--lm-rounds", "3",
+                             "--lm-steps", "10", "--fednl-overrides", "algorithm.memory.gate_init_logit=-1"])
+    fednl_cfg = bench.lm_cfg(args, tmp_path, "fednl:meta-rules", "x")
+    assert fednl_cfg.task.name == "shakespeare" and fednl_cfg.train.seq_len == 256 and fednl_cfg.num_clients == 4
+    assert fednl_cfg.algorithm.memory.window == 32 and fednl_cfg.algorithm.memory.sink == 4
+    assert fednl_cfg.algorithm.memory.gate_init_logit == -1 and fednl_cfg.eval.max_batches == 0
+    no_sinks = bench.lm_cfg(args, tmp_path, "fednl:ablate", "y", sink=0)
+    assert no_sinks.algorithm.memory.sink == 0 and no_sinks.algorithm.ablate_memory
+    lora_cfg = bench.lm_cfg(args, tmp_path, "fedavg-lora", "z")
+    assert lora_cfg.rounds == 3 and lora_cfg.train.local_steps == 10 and "memory" not in lora_cfg.algorithm
+    for bad in (["--lm-window", "256"], ["--lm-algorithms", "fedprox"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--sections", "lm", *bad])
+    assert "--lm-" in capsys.readouterr().err
+
+
+def test_lm_lines_give_what_the_memory_recovers():
+    d = {"mean": -0.5, "ci95": (-0.6, -0.4), "p_value": 1e-5}
+    lm = {"window": 32, "seq": 256, "windows": 100, "rounds": 3, "steps": 10,
+          "loss": {"fednl": 4.0, "fednl-ablate": 4.5, "fedavg-lora": 3.5},
+          "runs": {"fednl": {"alpha": [0.2, 0.4]}}, "vs_ablation": {"fednl": d}}
+    text = "\n".join(bench.lm_lines(lm))
+    assert "recovers 50% of the loss the window costs" in text
+    assert "| fednl | 4.0000 | 54.60 | -0.5000 (-0.6000..-0.4000), p 1e-05 | — | mean 0.300, max 0.400 |" in text
