@@ -27,8 +27,9 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    into the backbone) with its KV cache, each in a fresh process: normalised CE per 1K-token bin
    relative to the first bin, and peak inference memory at ``--memory-lengths`` tokens
    (peak RSS above the loaded model; CUDA: allocator peak), with the carried state's bytes.
-   Uses the ``niah`` section's trained models (the section runs it if needed), or with
-   ``--stream-from init`` the untrained ones (FedNL at init, the bare backbone).
+   Uses the ``niah`` section's trained models (the section runs it if needed), with
+   ``--stream-from lm`` the ``lm`` section's (FedNL's window is then ``--lm-window``), or
+   with ``--stream-from init`` the untrained ones (FedNL at init, the bare backbone).
 4. ``throughput``: training tokens/s of FedNL (memory + LoRA q/k/v) vs plain LoRA on
    q/k/v with the same rank, same batch, interleaved timed steps.
 5. ``lm``: what the memory adds where the softmax path cannot see: 4-client Shakespeare
@@ -65,7 +66,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-SECTIONS = ("mmlu", "niah", "stream", "throughput", "lm")
+SECTIONS = ("mmlu", "niah", "lm", "stream", "throughput")
 ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate",
               "fednl:ablate")
 NIAH_ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
@@ -110,8 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--stream-length", type=int, default=16384)
     p.add_argument("--memory-lengths", default="1024,2048,4096,8192,16384")
     p.add_argument("--block", type=int, default=256, help="tokens per streamed block")
-    p.add_argument("--stream-from", choices=("niah", "init"), default="niah",
-                   help="stream the NIAH section's trained models, or the untrained ones (memory only needs these)")
+    p.add_argument("--stream-from", choices=("niah", "lm", "init"), default="niah",
+                   help="stream the NIAH section's trained models, the lm section's, or the untrained ones "
+                        "(memory only needs these)")
     p.add_argument("--niah-resume", default="",
                    help="folder of an earlier (possibly stopped) NIAH run: each algorithm whose run there finished "
                         "and was scored (niah_<name>/niah_items.npz) is taken as it is; only the others train")
@@ -634,11 +636,13 @@ def stream_worker(spec_json: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def section_stream(args, out: Path, niah: dict | None) -> dict:
+def section_stream(args, out: Path, niah: dict | None, algorithms=None) -> dict:
+    """Each model of ``niah`` (run folders by key: the NIAH or the lm section's) streamed in a fresh
+    process, or with ``niah=None`` the untrained ones."""
     from fedapps.config import to_yaml
 
     results = {}
-    for spec in args.niah_algorithms:
+    for spec in algorithms or args.niah_algorithms:
         key = niah_key(spec)
         method = "fednl" if spec.startswith("fednl") else "kv"
         if niah is not None:
@@ -792,7 +796,8 @@ def section_lm(args, out: Path) -> dict:
         final.cfg.eval.max_batches = 0
         items[key] = final.items()
         alpha = summary.get("final_gate_alpha")
-        runs[key] = {"run_dir": summary["run_dir"], "train_seconds": summary.get("bench_seconds"),
+        runs[key] = {"run_dir": summary["run_dir"], "final_state": summary.get("final_state"),
+                     "train_seconds": summary.get("bench_seconds"),
                      "uplink_bytes": summary.get("uplink_bytes_per_client_round"),
                      "train_loss": train_losses(summary["run_dir"]),
                      "alpha": None if alpha is None else [float(a) for a in np.ravel(alpha)]}
@@ -939,7 +944,8 @@ def report(args, results: dict, command: str) -> str:
     stream = results.get("stream")
     if stream:
         lengths = [str(x) for x in args.memory_lengths]
-        trained = "the NIAH section's trained models" if args.stream_from == "niah" else "untrained models"
+        trained = {"niah": "the NIAH section's trained models", "lm": "the lm section's trained models"}.get(
+            args.stream_from, "untrained models")
         lines += [f"### Streaming a {args.stream_length}-token NIAH prompt in blocks of {args.block} ({trained})", "",
                   "Peak inference memory above the loaded model (MB) at each context length, and the carried state:", "",
                   "| model | " + " | ".join(lengths) + f" | growth {lengths[0]}→{lengths[-1]} | carried state at {lengths[-1]} |",
@@ -1097,6 +1103,10 @@ def main(argv=None) -> None:
         elif section == "stream":
             if args.stream_from == "init":
                 results["stream"] = section_stream(args, out, None)
+            elif args.stream_from == "lm":
+                if "lm" not in results:
+                    results["lm"] = section_lm(args, out)
+                results["stream"] = section_stream(args, out, results["lm"]["runs"], args.lm_algorithms)
             else:
                 if "niah" not in results:
                     results["niah"], results["niah_paired"] = (niah_from(args.niah_from, args.niah_algorithms)
