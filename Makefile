@@ -90,9 +90,11 @@ test-deploy-all: assets
 
 # SmartFed's measured setting (conf/preset/smartfed-tuned.yaml) as overrides of the onboarding benchmark
 # issue #15's FedNL protocol (docs/fednl.md, "Benchmark"): MMLU paired on 2,257 held-out questions; NIAH with
-# 105 test prompts per length
+# 105 test prompts per length; language modelling past a 32-token window, then the 16K stream on those models
 FEDNL_MMLU := --sections mmlu --paired --mmlu-test 700 --rounds 3 --local-steps 10 --lr 1e-3
 FEDNL_NIAH := --niah-rounds 3 --niah-steps 6 --niah-test-per-template 45 --lr 1e-3 --fednl-overrides "algorithm.lr.gate=0.2"
+FEDNL_LM := --sections lm,stream --stream-from lm --lm-window 32 --lm-seq 256 --lm-rounds 3 --lm-steps 10 --lr 1e-3 \
+	--fednl-overrides "algorithm.memory.gate_init_logit=-1 algorithm.lr.gate=0.05"
 SMARTFED_TUNED := algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 algorithm.downlink=int4 \
 	algorithm.top_k=4
 # the demo and every benchmark (2 CPU cores: ~12.5 h in all), then docs/benchmarks.md from their reports
@@ -134,11 +136,13 @@ bench: assets
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-lr3 --out docs/bench/smartfed-lr3
 	$(PY) bench/fednl.py $(FEDNL_MMLU) --fednl-overrides "algorithm.lr.gate=0.05" \
 		--algorithms fednl:meta-rules,fedavg-lora,fednl:ablate,fedssi,fedala --out outputs/fednl-mmlu
-	$(PY) bench/fednl.py $(FEDNL_NIAH) --sections niah,stream --out outputs/fednl-niah
+	$(PY) bench/fednl.py $(FEDNL_NIAH) --sections niah --out outputs/fednl-niah
+	$(PY) bench/fednl.py $(FEDNL_LM) --out outputs/fednl-lm
 	$(PY) bench/fednl.py --sections throughput --throughput-steps 6 --throughput-chunks 32,128 --throughput-profile \
 		--out outputs/fednl-throughput
 	$(PY) bench/fednl.py --write-docs --render "$$(ls -td outputs/fednl-mmlu/2*/ | head -1)results.json,$$(ls -td \
-		outputs/fednl-niah/2*/ | head -1)results.json,$$(ls -td outputs/fednl-throughput/2*/ | head -1)results.json"
+		outputs/fednl-niah/2*/ | head -1)results.json,$$(ls -td outputs/fednl-lm/2*/ | head -1)results.json,$$(ls -td \
+		outputs/fednl-throughput/2*/ | head -1)results.json"
 	$(PY) bench/collect.py
 
 clean:
