@@ -230,8 +230,9 @@ def test_streaming_state_does_not_grow_with_context(llama):
 
 
 # --------------------------------------------------------------------------- generation with the HF cache
-def test_generate_with_cache_matches_recomputing_from_scratch(llama):
-    model = with_memory(llama, chunk_size=8)
+@pytest.mark.parametrize("window", [None, 8])  # 8: the cached steps see the 4 sinks and the last 8 tokens
+def test_generate_with_cache_matches_recomputing_from_scratch(llama, window):
+    model = with_memory(llama, chunk_size=8, window=window)
     prompt = tokens(1, 21)
     with torch.no_grad():
         generated = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
