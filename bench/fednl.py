@@ -841,8 +841,9 @@ def lm_lines(lm: dict) -> list[str]:
     loss = lm["loss"]
     if {"fednl", "fednl-ablate", "fedavg-lora"} <= set(loss) and loss["fednl-ablate"] > loss["fedavg-lora"]:
         share = (loss["fednl-ablate"] - loss["fednl"]) / (loss["fednl-ablate"] - loss["fedavg-lora"])
-        lines += ["", f"The memory recovers {share * 100:.0f}% of the loss the window costs "
-                      "(FedNL's ablation → fedavg-lora with full attention)."]
+        lines += ["", f"Share of the loss the window costs (FedNL's ablation → fedavg-lora with full attention) that "
+                      f"the memory recovers: {share * 100:.0f}%" + (" (none: FedNL is behind its ablation)."
+                                                                    if share < 0 else ".")]
     return lines + [""]
 
 

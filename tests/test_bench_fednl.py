@@ -165,5 +165,5 @@ def test_lm_lines_give_what_the_memory_recovers():
           "loss": {"fednl": 4.0, "fednl-ablate": 4.5, "fedavg-lora": 3.5},
           "runs": {"fednl": {"alpha": [0.2, 0.4]}}, "vs_ablation": {"fednl": d}}
     text = "\n".join(bench.lm_lines(lm))
-    assert "recovers 50% of the loss the window costs" in text
+    assert "that the memory recovers: 50%." in text
     assert "| fednl | 4.0000 | 54.60 | -0.5000 (-0.6000..-0.4000), p 1e-05 | — | mean 0.300, max 0.400 |" in text
