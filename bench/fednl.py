@@ -458,8 +458,8 @@ def load_trained(cfg, summary: dict):
     return model.eval(), tokenizer
 
 
-def niah_key(spec: str) -> str:
-    """The NIAH (and stream) result key of an algorithm spec: fednl, fednl-ablate, fedavg-lora."""
+def spec_key(spec: str) -> str:
+    """The NIAH, lm and stream result key of an algorithm spec: fednl, fednl-ablate, fedavg-lora."""
     return {"fednl:meta-rules": "fednl", "fednl:ablate": "fednl-ablate"}.get(spec, spec.replace(":", "-"))
 
 
@@ -517,7 +517,7 @@ def niah_from(path: Path, algorithms) -> tuple[dict, dict]:
     """The NIAH section of an earlier results.json (its run folders must still exist), for ``algorithms``."""
     earlier = json.loads(path.read_text())
     niah = earlier.get("niah") or {}
-    missing = [spec for spec in algorithms if niah_key(spec) not in niah]
+    missing = [spec for spec in algorithms if spec_key(spec) not in niah]
     if missing:
         raise SystemExit(f"--niah-from: {path} has no NIAH run of {missing} (it has {sorted(niah)})")
     for key, r in niah.items():
@@ -539,7 +539,7 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
     torch.set_num_threads(args.threads)
     results, items = {}, {}
     for spec in args.niah_algorithms:
-        key = niah_key(spec)
+        key = spec_key(spec)
         done = args.niah_resume / f"niah_{key}" if args.niah_resume else None
         if done is not None and (done / "niah_items.npz").is_file() and (done / "summary.json").is_file():
             results[key], items[key] = resumed_niah(done)
@@ -643,7 +643,7 @@ def section_stream(args, out: Path, niah: dict | None, algorithms=None) -> dict:
 
     results = {}
     for spec in algorithms or args.niah_algorithms:
-        key = niah_key(spec)
+        key = spec_key(spec)
         method = "fednl" if spec.startswith("fednl") else "kv"
         if niah is not None:
             config, final_state = str(Path(niah[key]["run_dir"]) / "config.yaml"), niah[key]["final_state"]
@@ -772,7 +772,6 @@ def section_lm(args, out: Path) -> dict:
     import torch
 
     from fedapps.final import FinalModel, load_run
-    from postcard.compare import compare
 
     torch.set_num_threads(args.threads)
     items, runs = {}, {}
@@ -788,12 +787,11 @@ def section_lm(args, out: Path) -> dict:
         items[f"init: {label}"] = FinalModel(model, tokenizer, cfg, folder, {}).items()
         del model
     for spec in args.lm_algorithms:
-        key = niah_key(spec)
+        key = spec_key(spec)
         cfg = lm_cfg(args, out, spec, f"lm_{key}")
         log(f"lm: training {key} ({cfg.rounds} round(s) of {cfg.train.local_steps} steps, {args.lm_seq}-token windows)")
         summary = run(cfg)
-        final = load_run(summary["run_dir"])
-        final.cfg.eval.max_batches = 0
+        final = load_run(summary["run_dir"])  # its config already scores every held-out window
         items[key] = final.items()
         alpha = summary.get("final_gate_alpha")
         runs[key] = {"run_dir": summary["run_dir"], "final_state": summary.get("final_state"),
@@ -806,15 +804,19 @@ def section_lm(args, out: Path) -> dict:
     result = {"window": args.lm_window, "seq": args.lm_seq, "windows": len(next(iter(items.values()))["loss"]),
               "rounds": args.lm_rounds, "steps": args.lm_steps, "loss": losses, "runs": runs}
     if "fednl-ablate" in items:
-        result["vs_ablation"] = {k: v["loss_diff"] for k, v in compare(
-            {"fednl-ablate": items["fednl-ablate"], **{k: items[k] for k in items if k.startswith("fednl")
-                                                       and k != "fednl-ablate"}},
-            "fednl-ablate", "perplexity")["runs"].items() if "loss_diff" in v}
+        result["vs_ablation"] = loss_diffs(items, "fednl-ablate", [k for k in items if k.startswith("fednl")
+                                                                     and k != "fednl-ablate"])
     if "fedavg-lora" in items:
-        result["vs_fedavg_lora"] = {k: v["loss_diff"] for k, v in compare(
-            {"fedavg-lora": items["fedavg-lora"], **{k: items[k] for k in items if k != "fedavg-lora"}},
-            "fedavg-lora", "perplexity")["runs"].items() if "loss_diff" in v}
+        result["vs_fedavg_lora"] = loss_diffs(items, "fedavg-lora", [k for k in items if k != "fedavg-lora"])
     return result
+
+
+def loss_diffs(items: dict, ref: str, others: list) -> dict:
+    """Each of ``others`` against ``ref``, paired item by item (``postcard.compare``'s loss_diff)."""
+    from postcard.compare import compare
+
+    runs = compare({ref: items[ref], **{k: items[k] for k in others}}, ref, "perplexity")["runs"]
+    return {k: v["loss_diff"] for k, v in runs.items() if "loss_diff" in v}
 
 
 def lm_lines(lm: dict) -> list[str]:

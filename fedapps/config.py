@@ -224,6 +224,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_server_optimizer(cfg)
     _check_reply(cfg.algorithm)
     _check_smartfed(cfg)
+    _check_fednl_memory(cfg)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -335,6 +336,19 @@ def _check_smartfed(cfg: DictConfig) -> None:
         more_config(cfg)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"SmartFed's settings (algorithm.*): {err}") from None
+
+
+def _check_fednl_memory(cfg: DictConfig) -> None:
+    """FedNL's ``algorithm.memory`` as its clients will build it (``fedapps.fednl.memory_config``):
+    a bad window, sink or gate fails here, not after the simulation has started."""
+    if cfg.algorithm.name != "fednl":
+        return
+    from fedapps.fednl import FedNLSetupError, memory_config
+
+    try:
+        memory_config(cfg)
+    except FedNLSetupError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_reply(algorithm) -> None:

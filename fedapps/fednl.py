@@ -73,7 +73,7 @@ def memory_config(cfg) -> FedNLConfig:
         return FedNLConfig(
             chunk_size=int(memory.chunk_size),
             window=None if window is None else int(window),
-            sink=memory.get("sink", 4),
+            sink=memory.get("sink", FedNLConfig.sink),
             gate=str(memory.gate),
             gate_init_logit=float(memory.gate_init_logit),
             beta=str(memory.beta),

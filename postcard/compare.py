@@ -4,8 +4,8 @@
 
 Each run's final global model (``fedapps.final.load_run``) is scored on every client's
 held-out items, one by one (kept in the run folder as ``items-<key>.npz``, one file per
-scoring settings). The runs must score the same items (same task, partition, clients, seed and evaluation settings): a pairing
-of different items is refused. The report gives, per run:
+scoring settings). The runs must score the same items (same task, partition, clients, seed
+and evaluation settings): a pairing of different items is refused. The report gives, per run:
 
 * accuracy tasks (MMLU, NIAH, images): accuracy with its 95% Wilson interval; against the
   reference (the first run) the paired difference with its 95% interval (normal

@@ -167,3 +167,13 @@ def test_lm_lines_give_what_the_memory_recovers():
     text = "\n".join(bench.lm_lines(lm))
     assert "that the memory recovers: 50%." in text
     assert "| fednl | 4.0000 | 54.60 | -0.5000 (-0.6000..-0.4000), p 1e-05 | — | mean 0.300, max 0.400 |" in text
+
+
+def test_loss_diffs_pair_each_model_with_the_reference_item_by_item():
+    n = 40
+    loss = np.linspace(3.0, 5.0, n)
+    items = {name: {"client": np.zeros(n, dtype=np.int64), "index": np.arange(n), "loss": loss + shift}
+             for name, shift in (("fednl-ablate", 0.0), ("fednl", -0.1), ("fedavg-lora", -0.3))}
+    diffs = bench.loss_diffs(items, "fednl-ablate", ["fednl", "fedavg-lora"])
+    assert sorted(diffs) == ["fedavg-lora", "fednl"]
+    assert diffs["fednl"]["mean"] == pytest.approx(-0.1) and diffs["fedavg-lora"]["mean"] == pytest.approx(-0.3)

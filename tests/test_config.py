@@ -88,6 +88,8 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(algorithm="smartfed", overrides="algorithm.top_k=0"), r"SmartFed's settings .*top_k must be >= 1, got 0"),
         (dict(algorithm="smartfed", overrides="algorithm.gate_mode=sigmoid"), "gate_mode must be one of"),
         (dict(algorithm="smartfed", overrides="algorithm.importance_decay=1"), r"importance_decay must be in \[0, 1\)"),
+        (dict(algorithm="fednl", overrides="algorithm.memory.window=16 algorithm.memory.sink=-1"),
+         "invalid algorithm.memory: sink must be a non-negative int, got -1"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
