@@ -195,6 +195,22 @@ def test_sqrt_split_follows_layer_size():
     assert [(s.name, s.latents) for s in specs] == [("small", 10), ("big", 100)]
     capped = plan(Uneven(), FliteConfig(include_norms=False, latent_budget=10_050))
     assert [s.latents for s in capped] == [100, 9_950]  # "small" is full: never more than its size
+    by_size = plan(Uneven(), FliteConfig(include_norms=False, latent_budget=202, split="size"))
+    assert [s.latents for s in by_size] == [2, 200]  # 100 : 10,000
+
+
+def test_late_split_puts_the_last_layers_first():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(10, 10) for _ in range(4))  # equal sizes
+            self.head = nn.Linear(10, 3)
+
+    specs = plan(Stack(), FliteConfig(include_norms=False, latent_budget=100, split="late"))
+    assert [s.latents for s in specs] == [10, 20, 30, 40]  # position 1..4
+    assert [s.latents for s in plan(Stack(), FliteConfig(include_norms=False, latent_budget=100))] == [25] * 4
+    with pytest.raises(ValueError, match="split must be one of"):
+        FliteConfig(split="deep").validate()
 
 
 def test_llama_all_projections_and_norms():

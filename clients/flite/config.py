@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 SCALE_MODES = ("weight", "unit")
-SPLITS = ("uniform", "sqrt")
+SPLITS = ("uniform", "sqrt", "size", "late")
 DEFAULT_SEED = 0x5EED_F117_E000_0001  # any 64-bit value; every client and the server share it
 DEFAULT_HEADS = ("lm_head", "classifier", "head", "fc")
 PARAMETRISATION_VERSION = "flite-v1"  # part of the fingerprint: bump when the factor maths changes
@@ -51,7 +51,10 @@ class FliteConfig:
         latent_budget: total latents of the model (norm layers included) when ``latents``
             is ``None``; 1,280 is FLITE's vision setting (648 bytes in int4).
         split: how the weight layers share the budget: ``"sqrt"`` (proportional to the
-            square root of the layer's size, the default) or ``"uniform"`` (equal shares).
+            square root of the layer's size, the default), ``"uniform"`` (equal shares),
+            ``"size"`` (proportional to the layer's size) or ``"late"`` (``"sqrt"`` times the
+            layer's position, 1 for the first weight layer to n for the last: the last
+            blocks first).
             Every layer gets at least one latent and never more than it has parameters.
             ``"sqrt"`` and 12 latents per norm layer were the better choices in a short
             centralised MobileNetV2 / CIFAR-10 probe (uniform shares starve the large late

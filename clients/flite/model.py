@@ -168,6 +168,18 @@ def split_budget(total: int, weights: list[float], caps: list[int]) -> list[int]
     return alloc
 
 
+def split_weights(split: str, numels: list[int]) -> list[float]:
+    """The weights :func:`split_budget` shares the budget by, per weight layer in model order
+    (``FliteConfig.split``): equal, √size, size, or √size × position (the last layers first)."""
+    if split == "uniform":
+        return [1.0] * len(numels)
+    if split == "size":
+        return [float(n) for n in numels]
+    if split == "late":
+        return [math.sqrt(n) * (i + 1) for i, n in enumerate(numels)]
+    return [math.sqrt(n) for n in numels]
+
+
 def plan(model: nn.Module, config: FliteConfig) -> list[LayerSpec]:
     """The layer specs ``apply_flite`` would use, without touching the model.
 
@@ -199,7 +211,7 @@ def plan(model: nn.Module, config: FliteConfig) -> list[LayerSpec]:
                 f"latent_budget={config.latent_budget} leaves {budget} latents for {len(weight_idx)} weight layers "
                 f"after {sum(latents)} norm latents; raise the budget or lower norm_latents"
             )
-        weights = [1.0 if config.split == "uniform" else math.sqrt(numels[i]) for i in weight_idx]
+        weights = split_weights(config.split, [numels[i] for i in weight_idx])
         shares = split_budget(budget, weights, [numels[i] for i in weight_idx])
         for i, k in zip(weight_idx, shares):
             latents[i] = k
