@@ -421,8 +421,9 @@ def niah_cfg(args, out: Path, spec: str, run_name: str):
     from fedapps.config import compose
 
     name, overrides = algorithm_overrides(spec, args.fednl_overrides)
-    if name == "fednl":  # the window bounds the softmax path; no pre-aggregation scoring here
-        overrides += [f"algorithm.memory.window={args.window}", "algorithm.eval_local=false"]
+    if name == "fednl":  # the window bounds the softmax path
+        overrides.append(f"algorithm.memory.window={args.window}")
+    overrides.append("algorithm.eval_local=false")  # no pre-aggregation scoring of 4K-token prompts, for any method
     lengths = ",".join(str(x) for x in args.niah_lengths)
     return compose(
         [*common(args), *overrides, f"model={args.model}", f"rounds={args.niah_rounds}", "num_clients=7",

@@ -93,6 +93,8 @@ def test_niah_runs_train_on_the_asked_prompts_and_test_on_the_asked_lengths(tmp_
     assert fednl_cfg.rounds == 3 and fednl_cfg.train.local_steps == 6 and fednl_cfg.train.batch_size == 1
     lora_cfg = bench.niah_cfg(args, tmp_path, "fedavg-lora", "y")
     assert list(lora_cfg.task.train_lengths) == [768] and "lr" not in lora_cfg.algorithm
+    # no method scores its 4K-token test prompts before aggregation (it tripled fedavg-lora's training time)
+    assert not fednl_cfg.algorithm.eval_local and not lora_cfg.algorithm.eval_local
 
 
 def test_a_scored_niah_run_is_resumed_with_its_accuracies(tmp_path):
