@@ -491,6 +491,8 @@ def niah_result(scored: dict, summary: dict, train_seconds=None, eval_seconds=No
                        for pid in range(len(templates))},
         "per_length": {str(n): float(np.mean(scored["correct"][scored["length"] == n])) for n in lengths},
         "test_prompts_per_length": {str(n): int(np.sum(scored["length"] == n)) for n in lengths},
+        "letter_loss": {str(n): float(np.mean(scored["loss"][scored["length"] == n])) for n in lengths},
+        "alpha": summary.get("final_gate_alpha"),  # FedNL's gate per layer at the end (None for the others)
         "train_loss": train_losses(summary["run_dir"]),
         "train_seconds": train_seconds,
         "eval_seconds": eval_seconds,
@@ -535,7 +537,6 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
     import torch
 
     from clients.tasks import make_task
-    from postcard.compare import compare
 
     torch.set_num_threads(args.threads)
     results, items = {}, {}
@@ -571,19 +572,29 @@ def section_niah(args, out: Path) -> tuple[dict, dict]:
         items[key] = {k: v for k, v in scored.items() if k != "template"}
         log(f"NIAH {key}: {results[key]['per_length']}")
         del model
+    return results, niah_paired(items, args.niah_lengths, args.margin)
+
+
+def niah_paired(items: dict, lengths, margin: float) -> dict:
+    """At each length, FedNL against its ablation and against fedavg-lora on the same prompts: the
+    accuracy difference (McNemar) and the answer letter's cross-entropy, paired prompt by prompt."""
+    from postcard.compare import compare
+
     paired = {}
-    if "fednl" in items:
-        for length in args.niah_lengths:
-            for ref in ("fednl-ablate", "fedavg-lora"):
-                if ref not in items:
-                    continue
-                sub = {name: {k: v[items[name]["length"] == length] for k, v in items[name].items()}
-                       for name in (ref, "fednl")}
-                if not len(sub[ref]["index"]):
-                    continue
-                row = compare(sub, ref, "accuracy", margin=args.margin)["runs"]["fednl"]["accuracy_diff"]
-                paired.setdefault(str(length), {})[ref] = row
-    return results, paired
+    if "fednl" not in items:
+        return paired
+    for length in lengths:
+        for ref in ("fednl-ablate", "fedavg-lora"):
+            if ref not in items:
+                continue
+            sub = {name: {k: v[items[name]["length"] == length] for k, v in items[name].items()}
+                   for name in (ref, "fednl")}
+            if not len(sub[ref]["index"]):
+                continue
+            row = compare(sub, ref, "accuracy", margin=margin)["runs"]["fednl"]["accuracy_diff"]
+            row["loss_diff"] = loss_diffs(sub, ref, ["fednl"]).get("fednl")
+            paired.setdefault(str(length), {})[ref] = row
+    return paired
 
 
 # ---------------------------------------------------------------------------- 3. streams (worker + driver)
@@ -917,8 +928,9 @@ def report(args, results: dict, command: str) -> str:
                   f"({', '.join(f'{counts[k]} prompts at {k}' for k in lengths if k in counts)})", "",
                   "Accuracy (95% Wilson interval) per test length; the train loss is the clients' mean cross-entropy "
                   "of the answer letter over the full vocabulary, at the first step and in the last round.", "",
-                  "| algorithm | " + " | ".join(f"{x} tokens" for x in lengths) + " | train loss first → last |",
-                  "|---|" + "---:|" * (len(lengths) + 1)]
+                  "| algorithm | " + " | ".join(f"{x} tokens" for x in lengths) + " | train loss first → last "
+                  "| α at the end |",
+                  "|---|" + "---:|" * (len(lengths) + 2)]
         for name, r in niah.items():
             label = {"fednl": f"fednl (window {args.window})",
                      "fednl-ablate": f"fednl ablation, memory off (window {args.window})"}.get(name, name)
@@ -932,18 +944,24 @@ def report(args, results: dict, command: str) -> str:
                 cells.append(f"{acc:.3f} ({low:.2f}..{high:.2f})")
             loss = r.get("train_loss") or []
             trend = f"{loss[0]:.3f} → {loss[-1]:.3f}" if len(loss) > 1 else "—"
-            lines.append(f"| {label} | " + " | ".join(cells) + f" | {trend} |")
+            alpha = r.get("alpha") if name != "fednl-ablate" else None  # the ablation's gate does nothing
+            a = f"mean {sum(alpha) / len(alpha):.3f}, max {max(alpha):.3f}" if alpha else "—"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {trend} | {a} |")
         lines.append("")
         paired = results.get("niah_paired") or {}
         if paired:
             lines += ["FedNL paired against each reference on the same prompts (difference in accuracy, 95% interval, "
-                      "McNemar's exact p; prompts FedNL got right and the reference wrong / the reverse):", "",
-                      "| length | reference | FedNL − reference | McNemar p | gained / lost |", "|---:|---|---:|---:|---:|"]
+                      "McNemar's exact p; prompts FedNL got right and the reference wrong / the reverse; the "
+                      "answer letter's cross-entropy, paired prompt by prompt, 95% t-interval):", "",
+                      "| length | reference | FedNL − reference | McNemar p | gained / lost | letter CE, FedNL − reference |",
+                      "|---:|---|---:|---:|---:|---:|"]
             for length, refs in paired.items():
                 for ref, d in refs.items():
+                    ce = d.get("loss_diff")
+                    ce = f"{ce['mean']:+.4f} ({ce['ci95'][0]:+.4f}..{ce['ci95'][1]:+.4f})" if ce else "—"
                     lines.append(f"| {length} | {ref} | {d['mean'] * 100:+.1f} pp ({d['ci95'][0] * 100:+.1f}.."
                                  f"{d['ci95'][1] * 100:+.1f}) | {d['p_value']:.3g} | "
-                                 f"{d['other_right_ref_wrong']} / {d['ref_right_other_wrong']} |")
+                                 f"{d['other_right_ref_wrong']} / {d['ref_right_other_wrong']} | {ce} |")
             lines.append("")
     stream = results.get("stream")
     if stream:

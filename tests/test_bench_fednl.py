@@ -102,18 +102,22 @@ def test_a_scored_niah_run_is_resumed_with_its_accuracies(tmp_path):
 
     folder = tmp_path / "niah_fednl"
     folder.mkdir()
-    (folder / "summary.json").write_text(json.dumps({"final_state": "theta.safetensors"}))
+    (folder / "summary.json").write_text(json.dumps({"final_state": "theta.safetensors", "final_gate_alpha": [0.1, 0.3]}))
     (folder / "config.yaml").write_text("task:\n  templates: [passkey, uuid-code]\n")
     (folder / "metrics.jsonl").write_text(json.dumps(
         {"round": 1, "clients": [{"train_loss": 2.0, "train_first-loss": 3.0}, {"train_loss": 1.0, "train_first-loss": 2.0}]}
     ) + "\n")
     np.savez(folder / "niah_items.npz", client=np.array([0, 0, 1, 1]), length=np.array([1024, 4096, 1024, 4096]),
-             correct=np.array([1.0, 0.0, 1.0, 1.0]), index=np.arange(4), loss=np.zeros(4))
+             correct=np.array([1.0, 0.0, 1.0, 1.0]), index=np.arange(4), loss=np.array([0.5, 1.5, 1.0, 2.5]))
     result, items = bench.resumed_niah(folder)
     assert result["per_client"] == {"passkey": 0.5, "uuid-code": 1.0}
     assert result["per_length"] == {"1024": 1.0, "4096": 0.5}
     assert result["test_prompts_per_length"] == {"1024": 2, "4096": 2}
     assert result["train_loss"] == [2.5, 1.5]  # the first step's mean, then each round's
+    assert result["letter_loss"] == {"1024": 0.75, "4096": 2.0} and result["alpha"] == [0.1, 0.3]
+    args = bench.parse_args(["--niah-lengths", "1024,4096"])
+    text = bench.report(args, {"niah": {"fednl": result}}, "cmd")
+    assert "| 1.000 (" in text and "| 2.500 → 1.500 | mean 0.200, max 0.300 |" in text
     assert result["run_dir"] == str(folder.resolve()) and set(items) == {"client", "length", "correct", "index", "loss"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--niah-resume", str(tmp_path / "nowhere")])
@@ -179,3 +183,19 @@ def test_loss_diffs_pair_each_model_with_the_reference_item_by_item():
     diffs = bench.loss_diffs(items, "fednl-ablate", ["fednl", "fedavg-lora"])
     assert sorted(diffs) == ["fedavg-lora", "fednl"]
     assert diffs["fednl"]["mean"] == pytest.approx(-0.1) and diffs["fedavg-lora"]["mean"] == pytest.approx(-0.3)
+
+
+def test_niah_pairs_fednl_with_each_reference_at_each_length():
+    import numpy as np
+
+    def run(correct, loss):
+        return {"index": np.arange(4), "client": np.zeros(4, dtype=int), "length": np.array([1024, 1024, 4096, 4096]),
+                "correct": np.array(correct, dtype=float), "loss": np.array(loss)}
+
+    items = {"fednl": run([1, 1, 0, 1], [1.0, 2.0, 3.0, 1.0]), "fednl-ablate": run([1, 0, 0, 1], [1.5, 2.5, 3.0, 2.0])}
+    paired = bench.niah_paired(items, [1024, 4096], margin=0.02)
+    assert set(paired) == {"1024", "4096"} and set(paired["1024"]) == {"fednl-ablate"}  # no fedavg-lora run here
+    row = paired["1024"]["fednl-ablate"]
+    assert row["mean"] == 0.5 and row["other_right_ref_wrong"] == 1 and row["ref_right_other_wrong"] == 0
+    assert row["loss_diff"]["mean"] == -0.5 and paired["4096"]["fednl-ablate"]["loss_diff"]["mean"] == -0.5
+    assert bench.niah_paired({"fedavg-lora": items["fednl"]}, [1024], 0.02) == {}
