@@ -225,6 +225,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_reply(cfg.algorithm)
     _check_smartfed(cfg)
     _check_fednl_memory(cfg)
+    _check_flite(cfg)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -349,6 +350,19 @@ def _check_fednl_memory(cfg: DictConfig) -> None:
         memory_config(cfg)
     except FedNLSetupError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_flite(cfg: DictConfig) -> None:
+    """FLITE's ``algorithm.flite`` as its clients will build it (``fedapps.flite.flite_config``): a bad
+    split, rank or budget fails here, not after the simulation has started."""
+    if cfg.algorithm.name != "flite":
+        return
+    from fedapps.flite import flite_config
+
+    try:
+        flite_config(cfg).validate()
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid algorithm.flite: {err}") from None
 
 
 def _check_reply(algorithm) -> None:

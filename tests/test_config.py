@@ -90,6 +90,7 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(algorithm="smartfed", overrides="algorithm.importance_decay=1"), r"importance_decay must be in \[0, 1\)"),
         (dict(algorithm="fednl", overrides="algorithm.memory.window=16 algorithm.memory.sink=-1"),
          "invalid algorithm.memory: sink must be a non-negative int, got -1"),
+        (dict(algorithm="flite", overrides="algorithm.flite.split=deep"), "invalid algorithm.flite: .*split must be one of"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
