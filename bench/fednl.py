@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -96,7 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--margin", type=float, default=0.02, help="non-inferiority margin of --paired (0.02 = 2 points)")
     p.add_argument("--mmlu-from", default="",
                    help="comma list of results.json files of earlier MMLU runs (e.g. one algorithm each): their runs "
-                        "are taken as this run's MMLU section instead of training (with --paired: compared together)")
+                        "are taken as this run's MMLU section instead of training (with --paired: compared together; "
+                        "per-question scores a --paired run saved beside its results.json, in mmlu_items/, are "
+                        "reused, so such a file needs no run folder)")
     p.add_argument("--fednl-overrides", default="",
                    help="Hydra overrides for FedNL's runs only (its modes and its ablation), e.g. "
                         "\"algorithm.lr.gate=0.05\"; checked before anything runs")
@@ -291,19 +294,60 @@ def section_mmlu(args, out: Path, saved=None) -> dict:
     return results
 
 
-def mmlu_from(paths: list[Path]) -> dict:
+def mmlu_from(paths: list[Path]) -> tuple[dict, dict]:
     """The MMLU runs of earlier results.json files, merged in order (a later file's run of the same
-    algorithm replaces an earlier one); their run folders must still exist."""
-    merged = {}
+    algorithm replaces an earlier one), and the per-question scores those files carry
+    (``mmlu_items``: npz files beside them, written by ``--paired``). A run needs its run folder only
+    where no scores of it were saved: a combined result (e.g. docs/bench/fednl/mmlu-paired.json with
+    its mmlu_items/) is collected again in any checkout."""
+    merged, items = {}, {}
     for path in paths:
-        runs = json.loads(path.read_text()).get("mmlu") or {}
+        data = json.loads(path.read_text())
+        runs = data.get("mmlu") or {}
         if not runs:
             raise SystemExit(f"--mmlu-from: {path} holds no MMLU runs")
+        saved = load_items(path, data.get("mmlu_items") or {})
         for spec, r in runs.items():
-            if not (Path(r["run_dir"]) / "config.yaml").is_file():
-                raise SystemExit(f"--mmlu-from: {spec}'s run folder {r['run_dir']} (from {path}) is gone")
+            if spec not in saved and not (Path(r["run_dir"]) / "config.yaml").is_file():
+                raise SystemExit(f"--mmlu-from: {spec}'s run folder {r['run_dir']} (from {path}) is gone and "
+                                 "the file carries no per-question scores of it")
             merged[spec] = r
-    return merged
+            items.pop(spec, None)
+        items.update(saved)
+    return merged, items
+
+
+def item_file(name: str) -> str:
+    """'fednl:meta-rules' -> 'fednl-meta-rules.npz'; 'round 0: fednl at init' -> 'round-0-fednl-at-init.npz'."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".npz"
+
+
+def save_items(out: Path, items: dict) -> dict:
+    """Every scored model's per-question scores as ``out/mmlu_items/<name>.npz`` (compressed, ~20 kB
+    each); returns the ``mmlu_items`` entry of results.json (name -> path relative to ``out``)."""
+    import numpy as np
+
+    folder = out / "mmlu_items"
+    folder.mkdir(parents=True, exist_ok=True)
+    index = {}
+    for name, scores in items.items():
+        np.savez_compressed(folder / item_file(name), **{k: np.asarray(v) for k, v in scores.items()})
+        index[name] = f"mmlu_items/{item_file(name)}"
+    return index
+
+
+def load_items(results: Path, index: dict) -> dict:
+    """The scores :func:`save_items` listed, read from beside ``results`` (a missing file is an error)."""
+    import numpy as np
+
+    items = {}
+    for name, rel in index.items():
+        path = results.parent / rel
+        if not path.is_file():
+            raise SystemExit(f"--mmlu-from: {results} lists scores of {name} at {rel}, which is not there")
+        with np.load(path) as saved:
+            items[name] = {k: saved[k] for k in saved.files}
+    return items
 
 
 ROUND0 = {"backbone": "fedavg-lora", "fednl at init": "fednl:meta-rules"}  # the untrained models, built as these
@@ -316,23 +360,26 @@ def round0_of(spec: str) -> str:
     return "fednl at init" if spec.startswith("fednl") and spec != "fednl:ablate" else "backbone"
 
 
-def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
+def mmlu_paired(args, out: Path, mmlu: dict, items: dict | None = None) -> tuple[dict, dict]:
     """Every MMLU run's final model and the untrained ones, scored item by item on every client's
     held-out questions (``eval.max_batches=0``; kept as ``items-<key>.npz`` in each run folder), then
     paired: each method against fedavg-lora, FedNL's modes against its ablation and against every
-    other baseline, each method's final model against its round 0 (how far it moved)."""
+    other baseline, each method's final model against its round 0 (how far it moved). ``items``: scores
+    already at hand (from ``--mmlu-from``), not scored again. Returns the report and every score used."""
     from fedapps.config import from_yaml
     from fedapps.final import FinalModel, load_run
 
-    items = {}
+    items = dict(items or {})
     for spec, r in mmlu.items():
+        if spec in items:
+            continue
         final = load_run(r["run_dir"])
         final.cfg.eval.max_batches = 0  # every held-out question
         log(f"MMLU paired: scoring {spec} on every held-out question")
         items[spec] = final.items()
         del final
     for label, spec in ROUND0.items():
-        if not any(round0_of(s) == label for s in mmlu):
+        if not any(round0_of(s) == label for s in mmlu) or f"round 0: {label}" in items:
             continue
         source = mmlu.get(spec) or next(r for s, r in mmlu.items() if round0_of(s) == label)
         cfg = from_yaml((Path(source["run_dir"]) / "config.yaml").read_text())
@@ -345,7 +392,9 @@ def mmlu_paired(args, out: Path, mmlu: dict) -> dict:
         log(f"MMLU paired: scoring the round-0 model ({label})")
         items[f"round 0: {label}"] = FinalModel(model, tokenizer, cfg, folder, {}).items()
         del model
-    return paired_report(items, list(mmlu), args.margin)
+    used = [*mmlu, *(f"round 0: {round0_of(s)}" for s in mmlu)]
+    items = {k: v for k, v in items.items() if k in used}
+    return paired_report(items, list(mmlu), args.margin), items
 
 
 def paired_report(items: dict, specs: list, margin: float) -> dict:
@@ -1116,9 +1165,14 @@ def main(argv=None) -> None:
             def saved(runs: dict) -> None:
                 (out / "results.json").write_text(json.dumps({**results, "mmlu": runs}, indent=2, default=str))
 
-            results["mmlu"] = mmlu_from(args.mmlu_from) if args.mmlu_from else section_mmlu(args, out, saved)
+            items = {}
+            if args.mmlu_from:
+                results["mmlu"], items = mmlu_from(args.mmlu_from)
+            else:
+                results["mmlu"] = section_mmlu(args, out, saved)
             if args.paired:
-                results["mmlu_paired"] = mmlu_paired(args, out, results["mmlu"])
+                results["mmlu_paired"], items = mmlu_paired(args, out, results["mmlu"], items)
+                results["mmlu_items"] = save_items(out, items)
         elif section == "niah":
             results["niah"], results["niah_paired"] = (niah_from(args.niah_from, args.niah_algorithms)
                                                        if args.niah_from else section_niah(args, out))

@@ -48,7 +48,8 @@ def test_mmlu_parts_merge_and_a_missing_run_folder_is_an_error(tmp_path):
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     first.write_text(json.dumps({"mmlu": {"fedavg-lora": runs["a"]}}))
     second.write_text(json.dumps({"mmlu": {"fednl:meta-rules": runs["b"]}}))
-    assert list(bench.mmlu_from([first, second])) == ["fedavg-lora", "fednl:meta-rules"]
+    merged, items = bench.mmlu_from([first, second])
+    assert list(merged) == ["fedavg-lora", "fednl:meta-rules"] and items == {}
     (tmp_path / "b" / "config.yaml").unlink()
     with pytest.raises(SystemExit, match="run folder .* is gone"):
         bench.mmlu_from([first, second])
@@ -58,6 +59,43 @@ def test_mmlu_parts_merge_and_a_missing_run_folder_is_an_error(tmp_path):
         bench.mmlu_from([empty])
     with pytest.raises(SystemExit):
         bench.parse_args(["--mmlu-from", str(tmp_path / "nowhere.json")])
+
+
+def test_paired_scores_saved_beside_results_make_a_combine_need_no_run_folder(tmp_path):
+    """A --paired run saves every model's per-question scores; --mmlu-from on its results.json pairs
+    them again with no run folder and no model (mmlu_paired scores nothing already at hand)."""
+    n = 50
+    rng = np.random.default_rng(1)
+
+    def scores():
+        return {"client": np.repeat(np.arange(5), 10), "index": np.arange(n), "loss": rng.random(n).astype(np.float32),
+                "correct": (rng.random(n) < 0.3).astype(np.float64)}
+
+    items = {"fedavg-lora": scores(), "fednl:meta-rules": scores(), "round 0: backbone": scores(),
+             "round 0: fednl at init": scores()}
+    out = tmp_path / "combined"
+    index = bench.save_items(out, items)
+    assert index["round 0: fednl at init"] == "mmlu_items/round-0-fednl-at-init.npz"
+    gone = {spec: {"run_dir": str(tmp_path / "deleted" / spec), "average": 0.3} for spec in ("fedavg-lora",
+                                                                                          "fednl:meta-rules")}
+    (out / "results.json").write_text(json.dumps({"mmlu": gone, "mmlu_items": index}))
+    runs, loaded = bench.mmlu_from([out / "results.json"])
+    assert list(runs) == ["fedavg-lora", "fednl:meta-rules"] and set(loaded) == set(items)
+    for name, got in loaded.items():
+        for key, value in items[name].items():
+            np.testing.assert_array_equal(got[key], value)
+    args = bench.parse_args(["--sections", "mmlu", "--paired"])
+    report, used = bench.mmlu_paired(args, tmp_path / "unused", runs, loaded)
+    assert set(used) == set(items) and not (tmp_path / "unused").exists()  # nothing scored
+    assert report == bench.paired_report(items, list(runs), 0.02)
+    # a later part without saved scores replaces that algorithm's scores: its run folder is needed again
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"mmlu": {"fedavg-lora": gone["fedavg-lora"]}}))
+    with pytest.raises(SystemExit, match="fedavg-lora's run folder .* is gone"):
+        bench.mmlu_from([out / "results.json", later])
+    (out / "mmlu_items" / "fedavg-lora.npz").unlink()
+    with pytest.raises(SystemExit, match="lists scores of fedavg-lora at mmlu_items/fedavg-lora.npz"):
+        bench.mmlu_from([out / "results.json"])
 
 
 def test_throughput_chunks_are_parsed_and_checked(capsys):
