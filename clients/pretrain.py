@@ -121,3 +121,54 @@ def _pretrain(cfg, out: Path) -> None:
               "held_out": task.num_test, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
               "seconds": seconds, "torch": torch.__version__}
     (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+
+
+SENSITIVITY = "sensitivity.json"
+SENSITIVITY_BATCHES = 8  # batches of 64 public training images (fixed order): 512 images
+
+
+def base_sensitivity(cfg) -> dict[str, float]:
+    """Each weight layer's sensitivity at θ_pre: the Frobenius norm of the loss's gradient with
+    respect to its weight, ``sqrt(mean over batches of ‖∂L/∂W‖²)``, on 8 fixed batches of 64 of the
+    public split's training images (the head frozen, as in every run), rounded to 4 significant
+    digits. FLITE's ``split=sensitivity`` shares its latents by it (``clients.flite.split_weights``).
+
+    Measured once per θ_pre and cached beside it (``<θ_pre's folder>-sensitivity``); a client on
+    another machine measures the same numbers from the same θ_pre and public split (or copies the
+    folder), and a layout that still differed would be refused by FLITE's fingerprint."""
+    folder = cached_folder(base_folder_name(cfg) + "-sensitivity", lambda out: _measure_sensitivity(cfg, out))
+    return json.loads((folder / SENSITIVITY).read_text())["sensitivity"]
+
+
+def _measure_sensitivity(cfg, out: Path) -> None:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from clients.models import build_model
+    from clients.models.weights import head_prefix
+    from clients.tasks.image import ImageTask
+
+    ensure_base(cfg)
+    model, _ = build_model(cfg)  # θ_pre, with the head it was trained under
+    head = head_prefix(model)
+    task = ImageTask.public(cfg)
+    layers = {name: module for name, module in model.named_modules()
+              if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not f"{name}.".startswith(head)}
+    squares = dict.fromkeys(layers, 0.0)
+    for module in layers.values():
+        module.weight.requires_grad_(True)
+    model.train()
+    torch.manual_seed(int(cfg.base.seed))
+    batches = task.train_batches(SENSITIVITY_BATCHES, 64, np.random.default_rng(int(cfg.base.seed)))
+    with torch.enable_grad():
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            task.loss(model, batch).backward()
+            for name, module in layers.items():
+                squares[name] += float(module.weight.grad.double().pow(2).sum())
+    sensitivity = {name: float(f"{(total / SENSITIVITY_BATCHES) ** 0.5:.4g}") for name, total in squares.items()}
+    log(INFO, "θ_pre's layer sensitivities (gradient norms on %d public images): %.3g .. %.3g over %d layers",
+        SENSITIVITY_BATCHES * 64, min(sensitivity.values()), max(sensitivity.values()), len(sensitivity))
+    (out / SENSITIVITY).write_text(json.dumps({"key": base_key(cfg), "batches": SENSITIVITY_BATCHES,
+                                               "batch_size": 64, "sensitivity": sensitivity}, indent=1) + "\n")

@@ -360,9 +360,14 @@ def _check_flite(cfg: DictConfig) -> None:
     from fedapps.flite import flite_config
 
     try:
-        flite_config(cfg).validate()
+        config = flite_config(cfg, measure=False).validate()
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid algorithm.flite: {err}") from None
+    if config.split == "sensitivity" and (cfg.base.name != "public" or cfg.model.kind != "vision"):
+        raise ConfigError("algorithm.flite.split=sensitivity shares the latents by θ_pre's gradient norms on the "
+                          "public split: it needs base=public (a vision task with task.public_fraction > 0)")
+    if config.sensitivity is not None:
+        raise ConfigError("algorithm.flite.sensitivity is measured (split=sensitivity with base=public), not set")
 
 
 def _check_reply(algorithm) -> None:

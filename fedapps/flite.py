@@ -24,8 +24,16 @@ from strategies import codec
 from strategies.flite import FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy, compact_content
 
 
-def flite_config(cfg) -> FliteConfig:
-    return FliteConfig.from_dict(OmegaConf.to_container(cfg.algorithm.flite, resolve=True))
+def flite_config(cfg, *, measure: bool = True) -> FliteConfig:
+    """``algorithm.flite`` as a FliteConfig; ``split=sensitivity`` takes θ_pre's layer sensitivities
+    (measured once per θ_pre, cached: ``clients.pretrain.base_sensitivity``) unless ``measure`` is
+    false (a config check)."""
+    values = OmegaConf.to_container(cfg.algorithm.flite, resolve=True)
+    if values.get("split") == "sensitivity" and measure:
+        from clients.pretrain import base_sensitivity
+
+        values["sensitivity"] = base_sensitivity(cfg)
+    return FliteConfig.from_dict(values)
 
 
 def prepare(cfg):

@@ -165,3 +165,42 @@ def test_resnet18_gn_has_a_cifar_stem_and_starts_from_a_random_init_for_base_pub
     assert cfg.base.name == "public" and cfg.task.public_fraction == pytest.approx(0.2)
     with pytest.raises(ValueError, match="stem"):
         ResNet18GN(stem="tiny")
+
+
+def test_flite_split_by_sensitivity_uses_theta_pres_gradient_norms_measured_once(cache):
+    """split=sensitivity: θ_pre's per-layer gradient norms on the public split (measured once, cached
+    beside θ_pre) share FLITE's latents; the layout, so the fingerprint, follows them."""
+    from clients.flite import FliteConfig
+    from clients.flite.model import flite_layers, split_budget, split_weights
+    from clients.models import build_model
+    from clients.pretrain import base_folder_name, base_sensitivity
+    from fedapps.flite import prepare as flite_prepare
+
+    cfg = compose([*TINY, "algorithm.flite.split=sensitivity"], task="cifar10", algorithm="flite")
+    sensitivity = base_sensitivity(cfg)
+    stored = cache / (base_folder_name(cfg) + "-sensitivity") / "sensitivity.json"
+    stamp = stored.stat().st_mtime_ns
+    assert base_sensitivity(cfg) == sensitivity and stored.stat().st_mtime_ns == stamp  # measured once
+    model, _ = build_model(cfg)
+    weights = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+               and not n.startswith("head")]
+    assert sorted(sensitivity) == sorted(weights) and all(v > 0 for v in sensitivity.values())
+    assert len(set(sensitivity.values())) == len(weights)  # measured, not a constant
+
+    flite, _, extra = flite_prepare(cfg)
+    layers = [layer.flite_spec for layer in flite_layers(flite) if layer.flite_spec.kind != "norm"]
+    norm_latents = sum(layer.flite_spec.latents for layer in flite_layers(flite) if layer.flite_spec.kind == "norm")
+    numels = [s.matrix_shape[0] * s.matrix_shape[1] for s in layers]
+    expected = split_budget(1280 - norm_latents, [sensitivity[s.name] for s in layers], numels)
+    assert [s.latents for s in layers] == expected
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(flite(x), model(x))  # z = 0: θ_pre
+    sqrt = flite_prepare(compose(TINY, task="cifar10", algorithm="flite"))[2]
+    assert sqrt["fingerprint"] != extra["fingerprint"]
+
+    with pytest.raises(ValueError, match="needs a sensitivity for every weight layer; none for"):
+        split_weights("sensitivity", [4, 9], ["a", "b"], {"a": 1.0})
+    with pytest.raises(ValueError, match="FliteConfig.sensitivity must map"):
+        FliteConfig(split="sensitivity", sensitivity={"a": -1.0})
+    with pytest.raises(ConfigError, match="split=sensitivity .* needs base=public"):
+        compose(["model=tiny-cnn", "algorithm.flite.split=sensitivity"], task="cifar10", algorithm="flite")

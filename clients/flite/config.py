@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 SCALE_MODES = ("weight", "unit")
-SPLITS = ("uniform", "sqrt", "size", "late")
+SPLITS = ("uniform", "sqrt", "size", "late", "sensitivity")
 DEFAULT_SEED = 0x5EED_F117_E000_0001  # any 64-bit value; every client and the server share it
 DEFAULT_HEADS = ("lm_head", "classifier", "head", "fc")
 PARAMETRISATION_VERSION = "flite-v1"  # part of the fingerprint: bump when the factor maths changes
@@ -54,11 +54,15 @@ class FliteConfig:
             square root of the layer's size, the default), ``"uniform"`` (equal shares),
             ``"size"`` (proportional to the layer's size) or ``"late"`` (``"sqrt"`` times the
             layer's position, 1 for the first weight layer to n for the last: the last
-            blocks first).
+            blocks first) or ``"sensitivity"`` (proportional to ``sensitivity[layer name]``).
             Every layer gets at least one latent and never more than it has parameters.
             ``"sqrt"`` and 12 latents per norm layer were the better choices in a short
             centralised MobileNetV2 / CIFAR-10 probe (uniform shares starve the large late
             layers); the project's benchmark, not this default, is the reference.
+        sensitivity: per weight layer (module name -> a number > 0) the weights of
+            ``split="sensitivity"``: for ``base=public``, θ_pre's gradient norm per layer on the
+            public split (``clients.pretrain.base_sensitivity``, filled in by the FLITE app).
+            Part of the latent layout, so of the fingerprint.
         include_norms: also parametrise the affine parameters (weight and bias) of norm
             layers (BatchNorm, GroupNorm, LayerNorm, RMSNorm and HF ``*RMSNorm``), each with
             ``norm_latents`` latents taken from the budget first.
@@ -99,6 +103,7 @@ class FliteConfig:
     latents: int | None = None
     latent_budget: int = 1280
     split: str = "sqrt"
+    sensitivity: dict[str, float] | None = None
     include_norms: bool = True
     norm_latents: int = 12
     target_modules: list[str] | str | None = None
@@ -130,6 +135,11 @@ class FliteConfig:
         check_int("structured_threshold", self.structured_threshold, 0)
         if self.split not in SPLITS:
             raise ValueError(f"FliteConfig.split must be one of {SPLITS}, got {self.split!r}")
+        if self.sensitivity is not None:
+            if not isinstance(self.sensitivity, Mapping) or not all(
+                    isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < float("inf")
+                    for k, v in self.sensitivity.items()):
+                raise ValueError("FliteConfig.sensitivity must map layer names to finite numbers > 0")
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"FliteConfig.scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
         for name in ("scale", "norm_scale"):

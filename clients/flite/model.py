@@ -168,9 +168,18 @@ def split_budget(total: int, weights: list[float], caps: list[int]) -> list[int]
     return alloc
 
 
-def split_weights(split: str, numels: list[int]) -> list[float]:
+def split_weights(split: str, numels: list[int], names: list[str] | None = None,
+                  sensitivity: dict[str, float] | None = None) -> list[float]:
     """The weights :func:`split_budget` shares the budget by, per weight layer in model order
-    (``FliteConfig.split``): equal, √size, size, or √size × position (the last layers first)."""
+    (``FliteConfig.split``): equal, √size, size, √size × position (the last layers first), or the
+    layer's ``sensitivity`` (by name; every layer must have one)."""
+    if split == "sensitivity":
+        missing = [n for n in names or [] if n not in (sensitivity or {})]
+        if sensitivity is None or missing:
+            raise ValueError("FLITE split='sensitivity' needs a sensitivity for every weight layer"
+                             + (f"; none for {missing[:5]}" if sensitivity is not None else
+                                " (FliteConfig.sensitivity; base=public measures them)"))
+        return [float(sensitivity[n]) for n in names]
     if split == "uniform":
         return [1.0] * len(numels)
     if split == "size":
@@ -211,7 +220,8 @@ def plan(model: nn.Module, config: FliteConfig) -> list[LayerSpec]:
                 f"latent_budget={config.latent_budget} leaves {budget} latents for {len(weight_idx)} weight layers "
                 f"after {sum(latents)} norm latents; raise the budget or lower norm_latents"
             )
-        weights = split_weights(config.split, [numels[i] for i in weight_idx])
+        weights = split_weights(config.split, [numels[i] for i in weight_idx],
+                                [candidates[i][0] for i in weight_idx], config.sensitivity)
         shares = split_budget(budget, weights, [numels[i] for i in weight_idx])
         for i, k in zip(weight_idx, shares):
             latents[i] = k
