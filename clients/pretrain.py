@@ -119,8 +119,22 @@ def _pretrain(cfg, out: Path) -> None:
                                                "settings": json.dumps(base_settings(cfg), sort_keys=True)})
     report = {"settings": base_settings(cfg), "key": base_key(cfg), "public_images": task.num_train + task.num_test,
               "held_out": task.num_test, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-              "seconds": seconds, "torch": torch.__version__}
+              "seconds": seconds, "torch": torch.__version__, "cpu": _cpu_name()}
     (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _cpu_name() -> str:
+    """The CPU θ_pre was trained on: its weights are not bit-identical across CPU models (the same
+    settings gave 0.750 and 0.770 held-out accuracy on two machines), only within one."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 SENSITIVITY = "sensitivity.json"

@@ -67,7 +67,7 @@ def test_theta_pre_is_built_once_reloaded_exactly_and_its_head_kept(cache):
     stamp = path.stat().st_mtime_ns
     assert ensure_base(cfg) == path and path.stat().st_mtime_ns == stamp  # reused, not retrained
     report = read_report(cfg)
-    assert report["public_images"] == 2000 and report["settings"]["base"]["steps"] == 12
+    assert report["public_images"] == 2000 and report["settings"]["base"]["steps"] == 12 and report["cpu"]
 
     from safetensors.torch import load_file
 
