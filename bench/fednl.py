@@ -933,11 +933,20 @@ def drop_interval(run: dict, questions: int) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def run_date(results: dict) -> str:
+    """The day a result was made: its own ``date``, else the newest dated run folder it names
+    (``.../YYYYMMDD-HHMMSS/...``: results made before the date was recorded)."""
+    if results.get("date"):
+        return str(results["date"])
+    stamps = re.findall(r"/(\d{4})(\d{2})(\d{2})-\d{6}(?:/|\b)", json.dumps(results, default=str))
+    return "-".join(max(stamps)) if stamps else "date not recorded"
+
+
 def report(args, results: dict, command: str) -> str:
     from postcard.compare import wilson
 
     lines = [f"Command: `{command}`", "",
-             f"Model: {args.model}; seed {args.seed}; {time.strftime('%Y-%m-%d')}; "
+             f"Model: {args.model}; seed {args.seed}; {run_date(results)}; "
              f"total {results.get('seconds', 0) / 60:.1f} min on this machine.", ""]
     mmlu = results.get("mmlu")
     if mmlu:
@@ -1154,7 +1163,7 @@ def main(argv=None) -> None:
     out = Path(args.out).expanduser().resolve() / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": {k: v for k, v in vars(args).items() if k not in ("stream_worker", "render")},
-                     "command": command}
+                     "command": command, "date": time.strftime("%Y-%m-%d")}
     start = time.time()
     timings = {}
     for section in SECTIONS:

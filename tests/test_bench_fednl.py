@@ -237,3 +237,10 @@ def test_niah_pairs_fednl_with_each_reference_at_each_length():
     assert row["mean"] == 0.5 and row["other_right_ref_wrong"] == 1 and row["ref_right_other_wrong"] == 0
     assert row["loss_diff"]["mean"] == -0.5 and paired["4096"]["fednl-ablate"]["loss_diff"]["mean"] == -0.5
     assert bench.niah_paired({"fedavg-lora": items["fednl"]}, [1024], 0.02) == {}
+
+
+def test_a_rendered_result_shows_the_day_it_was_made_not_the_day_it_is_rendered():
+    assert bench.run_date({"date": "2026-11-30"}) == "2026-11-30"
+    old = {"mmlu": {"a": {"run_dir": "/x/mmlu/20261203-130229/mmlu_a"}, "b": {"run_dir": "/x/20261201-090000/b"}}}
+    assert bench.run_date(old) == "2026-12-03"
+    assert bench.run_date({"throughput": {"ratio": 0.8}}) == "date not recorded"
