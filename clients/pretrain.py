@@ -124,8 +124,8 @@ def _pretrain(cfg, out: Path) -> None:
 
 
 def _cpu_name() -> str:
-    """The CPU θ_pre was trained on: its weights are not bit-identical across CPU models (the same
-    settings gave 0.750 and 0.770 held-out accuracy on two machines), only within one."""
+    """The CPU θ_pre was trained on: the same settings gave two different θ_pre on two machines
+    (0.750 and 0.770 held-out accuracy)."""
     import platform
 
     try:
