@@ -1,7 +1,7 @@
 """FedNL against the baselines on the embedded SmolLM2, sized for 2 CPU cores (<= 60 min).
 
     .venv/bin/python bench/fednl.py --write-docs            # the full CPU benchmark
-    .venv/bin/python bench/fednl.py --smoke --out /tmp/fednl-smoke   # a pipeline check on the tiny model
+    .venv/bin/python bench/fednl.py --quick --out /tmp/fednl-quick   # a pipeline check on the tiny model (alias --smoke)
 
 Sections (``--sections``, all by default), each a real Flower simulation or measurement:
 
@@ -142,7 +142,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench-fednl"), help="folder for run folders and results")
     p.add_argument("--write-docs", action="store_true", help="update docs/fednl.md and docs/fednl-*.png")
-    p.add_argument("--smoke", action="store_true", help="tiny model and sizes: checks the pipeline in minutes")
+    p.add_argument("--quick", "--smoke", dest="smoke", action="store_true",
+                   help="tiny model and sizes: checks the pipeline in minutes (as bench/flite.py --quick)")
     p.add_argument("--render", help="comma list of results.json files: print (and with --write-docs, write) "
                                     "their tables and plots again, without running anything")
     p.add_argument("--stream-worker", help=argparse.SUPPRESS)  # internal: one streaming measurement (JSON spec)

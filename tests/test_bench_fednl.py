@@ -98,6 +98,14 @@ def test_paired_scores_saved_beside_results_make_a_combine_need_no_run_folder(tm
         bench.mmlu_from([out / "results.json"])
 
 
+def test_quick_mode_shrinks_every_section_to_the_tiny_model():
+    for flag in ("--quick", "--smoke"):  # --smoke: the older name, kept
+        args = bench.parse_args([flag])
+        assert args.model == "tiny-llama" and (args.rounds, args.local_steps) == (1, 2)
+        assert (args.lm_rounds, args.lm_steps, args.throughput_steps) == (1, 1, 1)
+    assert bench.parse_args([]).model == "smollm2"
+
+
 def test_throughput_chunks_are_parsed_and_checked(capsys):
     assert bench.parse_args(["--throughput-chunks", "32,128"]).throughput_chunks == [32, 128]
     for bad in ("32,x", "0"):
