@@ -48,7 +48,7 @@ from strategies.channel import LATENT_KEY, LatentChannel, apply_update, history_
 from strategies.codec import PayloadError
 from strategies.privacy import Privacy, add_noise
 from strategies.robust import Robustness
-from strategies.secagg import SecAggError
+from strategies.secagg import SecAggCheat, SecAggError
 from strategies.secure_round import KEYS, SHARES, UNMASK, SecureRound, SecureSettings
 from strategies.server_opt import PREFIX as OPT_PREFIX, OptimizerState, ServerOptimizer
 
@@ -164,6 +164,8 @@ class PayloadFedAvg(FedAvg):
         self._secure: SecureRound | None = None
         self._secure_train: list[Message] = []
         self._secure_metrics: list[dict] = []
+        self._secure_noted: set[int] = set()  # nodes whose leaving this secure round is already recorded
+        self.banned: dict[int, str] = {}  # node -> why: proven cheats, never sent another message of this run
         self.on_round_end = on_round_end
         self._sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
         self._downlink: ArrayRecord | None = None  # downlink_arrays() of the current global state
@@ -255,7 +257,8 @@ class PayloadFedAvg(FedAvg):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON-able metadata) that let a new server process continue this run."""
-        meta = {"history": list(self.history), "privacy_released": self.privacy_released}
+        meta = {"history": list(self.history), "privacy_released": self.privacy_released,
+                "banned": {str(k): v for k, v in self.banned.items()}}
         if self.latent_downlink:  # the bytes as sent: a resumed run sends the clients the same history
             meta["latent_history"] = [[t, a.stype, list(a.shape), a.data.hex()] for t, a in self.latent_history]
         arrays = {k: v.copy() for k, v in self.global_state.items()}
@@ -285,6 +288,7 @@ class PayloadFedAvg(FedAvg):
         self._downlink = None
         self.history = list(meta.get("history", []))
         self.privacy_released = int(meta.get("privacy_released", 0))
+        self.banned = {int(k): str(v) for k, v in (meta.get("banned") or {}).items()}
         self.latent_history = [(int(t), Array(dtype="float32", shape=tuple(shape), stype=str(stype),
                                               data=bytes.fromhex(data)))
                                for t, stype, shape, data in meta.get("latent_history", [])]
@@ -324,7 +328,22 @@ class PayloadFedAvg(FedAvg):
 
     # ------------------------------------------------------------------ training
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        return self._messages(super().configure_train(server_round, arrays, config, grid), server_round, "train", config)
+        return self._messages(self._unbanned(super().configure_train(server_round, arrays, config, grid)),
+                              server_round, "train", config)
+
+    def _unbanned(self, messages: Iterable[Message]) -> list[Message]:
+        """Flower's sampled messages less those to nodes excluded from the run (:attr:`banned`)."""
+        return [m for m in messages if int(m.metadata.dst_node_id) not in self.banned]
+
+    def ban(self, node_id: int, reason: str) -> None:
+        """Exclude a node from the rest of the run (logged, kept in the round record and the checkpoint)."""
+        node_id = int(node_id)
+        if node_id in self.banned:
+            return
+        log(WARNING, "round %s: node %s is excluded from the rest of the run: %s", self._round.get("round"),
+            node_id, reason)
+        self.banned[node_id] = reason
+        self._round.setdefault("excluded", []).append({"node_id": node_id, "reason": reason})
 
     def reply_record(self, msg: Message) -> tuple[ArrayRecord, int]:
         """A training reply's ArrayRecord and its positive ``num-examples``; PayloadError if absent."""
@@ -575,6 +594,7 @@ class PayloadFedAvg(FedAvg):
         self._start_round(server_round)
         self._secure_train = list(train_messages)
         nodes = [int(m.metadata.dst_node_id) for m in self._secure_train]
+        self._secure_noted = set()
         try:
             self._secure = SecureRound(self.secure, server_round, nodes, self.layout())
         except SecAggError as err:
@@ -588,19 +608,25 @@ class PayloadFedAvg(FedAvg):
     def secure_keys(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         if self._secure is None:
             return []
+        secure = self._secure
         try:
-            out = self._secure.take_keys(self._stage_replies(replies, KEYS))
+            out = secure.take_keys(self._stage_replies(replies, KEYS))
         except SecAggError as err:
             return self._secure_abandon(server_round, err)
+        finally:
+            self._note_secure_drops(KEYS, secure)
         return self._secure_sent(SHARES, out)
 
     def secure_shares(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         if self._secure is None:
             return []
+        secure = self._secure
         try:
-            self._secure.take_shares(self._stage_replies(replies, SHARES))
+            secure.take_shares(self._stage_replies(replies, SHARES))
         except SecAggError as err:
             return self._secure_abandon(server_round, err)
+        finally:
+            self._note_secure_drops(SHARES, secure)
         before = {id(m): codec.message_bytes(m.content) for m in self._secure_train}
         out = [m for m in (self._secure.attach(m) for m in self._secure_train) if m is not None]
         for msg in out:
@@ -648,8 +674,12 @@ class PayloadFedAvg(FedAvg):
         try:
             sums = secure.take_reveals(self._stage_replies(replies, UNMASK))
         except SecAggError as err:
+            for node, why in (err.culprits.items() if isinstance(err, SecAggCheat) else ()):
+                self.ban(node, f"secure aggregation, round {server_round}: {why}")
             self._secure = secure
             return self._secure_abandon(server_round, err) or (None, None)
+        finally:
+            self._note_secure_drops(UNMASK, secure)
         count = len(secure.masked)
         self._round["secure"] = {"uploaded": count, "participants": len(secure.participants),
                                  "threshold": secure.threshold, "bits": secure.fixed.bits,
@@ -673,6 +703,14 @@ class PayloadFedAvg(FedAvg):
         client = self._client(node_id)
         key = f"secagg_{direction}link_bytes"
         client[key] = client.get(key, 0) + int(nbytes)
+
+    def _note_secure_drops(self, phase: str, secure: SecureRound | None = None) -> None:
+        """Nodes the secure round dropped for what they sent (a bad key, share, reveal): each refused by name."""
+        secure = secure or self._secure
+        for node, why in sorted((secure.dropped if secure is not None else {}).items()):
+            if node not in self._secure_noted:
+                self._secure_noted.add(node)
+                self._refuse(node, f"secure aggregation: {why}", kind="secagg", phase=phase)
 
     def _secure_abandon(self, server_round: int, err: Exception) -> list:
         self._secure = None
@@ -743,7 +781,8 @@ class PayloadFedAvg(FedAvg):
 
     # ------------------------------------------------------------------ evaluation
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        return self._messages(super().configure_evaluate(server_round, arrays, config, grid), server_round, "eval", config)
+        return self._messages(self._unbanned(super().configure_evaluate(server_round, arrays, config, grid)),
+                              server_round, "eval", config)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self._start_round(server_round)

@@ -32,11 +32,10 @@ per coordinate: the decoded mean stays inside :meth:`FixedPoint.mean_bound`.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,9 +128,12 @@ def default_threshold(n: int) -> int:
 
 
 def check_threshold(threshold: int, n: int) -> int:
+    """A threshold for ``n`` clients: at least 2, at most ``n``, and a majority (``2t > n``): two
+    disjoint groups of ``t`` cannot exist, so no server can collect both kinds of share of one client."""
     threshold = int(threshold)
-    if not 2 <= threshold <= n:
-        raise SecAggError(f"the threshold must be between 2 and the round's {n} clients, got {threshold}")
+    if not 2 <= threshold <= n or 2 * threshold <= n:
+        raise SecAggError(f"the threshold must be a majority of the round's {n} clients and at least 2 "
+                          f"({max(2, n // 2 + 1)}..{n}), got {threshold}")
     return threshold
 
 
@@ -150,6 +152,9 @@ def _raw_private(key: X25519PrivateKey) -> bytes:
 
 def _raw_public(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+_PROBE_KEY = bytes(range(1, 33))  # any private key: agreement with a low-order point is all zeros whatever it is
 
 
 def public_of(private_raw: bytes) -> bytes:
@@ -180,10 +185,26 @@ def commitment(seed: bytes) -> bytes:
     return hashlib.sha256(b"postcard-secagg seed" + seed).digest()
 
 
+_P25519 = 2**255 - 19
+
+
 def _check_key(raw, what: str) -> bytes:
+    """A public X25519 key any honest client could have made: 32 bytes, canonical (u < 2^255 − 19,
+    top bit clear) and not of low order (a low-order key makes every key agreement with it fail,
+    or yield a secret its sender knows without a private key)."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != KEY_BYTES:
         raise SecAggError(f"{what} must be {KEY_BYTES} bytes")
-    return bytes(raw)
+    raw = bytes(raw)
+    if int.from_bytes(raw, "little") >= _P25519:
+        raise SecAggError(f"{what} is not a canonical X25519 key")
+    try:
+        _agree(_PROBE_KEY, raw)
+    except ValueError:  # cryptography refuses an all-zero shared secret: a low-order point
+        raise SecAggError(f"{what} is a low-order X25519 key") from None
+    return raw
+
+
+check_public_key = _check_key
 
 
 # ---------------------------------------------------------------------- client side
@@ -208,9 +229,24 @@ def participants_of(public_keys: Mapping[int, tuple[bytes, bytes]]) -> list[int]
     return sorted(int(v) for v in public_keys)
 
 
+def share_digest(kind: str, owner: int, holder: int, round_id: int, share: bytes) -> bytes:
+    """What a dealer publishes of each share it deals (through the server): the server checks a
+    revealed share against it, so a holder that lies about its share is caught exactly, and a
+    holder checks the share it received, so a dealer cannot frame an honest holder. A share is
+    16 or 32 uniformly random bytes: its hash reveals nothing usable of it."""
+    return hashlib.sha256(b"postcard-secagg share %s %d %d %d " % (kind.encode(), owner, holder, round_id)
+                          + bytes(share)).digest()
+
+
+DIGEST_BYTES = 2 * 32  # per (dealer, holder): the digest of the seed share, then of the mask-key share
+
+
 def make_shares(me: int, secrets: ClientSecrets, public_keys: Mapping[int, tuple[bytes, bytes]], threshold: int,
-                round_id: int) -> tuple[bytes, dict[int, bytes]]:
-    """Stage 2 on a client: (commitment to its new self-mask seed, {other client: encrypted share})."""
+                round_id: int) -> tuple[bytes, dict[int, bytes], dict[int, bytes]]:
+    """Stage 2 on a client: (commitment to its new self-mask seed, {other client: encrypted share},
+    {every client: the digests of its two shares}). Every relayed key is checked first: a key no
+    honest client could hold (low order, non-canonical) is the server's fault, and this client
+    refuses the round rather than agree on a known secret."""
     nodes = participants_of(public_keys)
     if me not in nodes:
         raise SecAggError(f"node {me} is not among the round's participants")
@@ -227,11 +263,13 @@ def make_shares(me: int, secrets: ClientSecrets, public_keys: Mapping[int, tuple
     b_shares = Shamir.split(threshold, n, secrets.seed)
     s_low = Shamir.split(threshold, n, secrets.s_private[:16])
     s_high = Shamir.split(threshold, n, secrets.s_private[16:])
-    out = {}
+    out, digests = {}, {}
     for position, node in enumerate(nodes):
         index = position + 1
-        plain = _SHARE.pack(me, node, round_id, index, b_shares[position][1], s_low[position][1],
-                            s_high[position][1])
+        b_share, s_share = b_shares[position][1], s_low[position][1] + s_high[position][1]
+        digests[node] = (share_digest("b", me, node, round_id, b_share)
+                         + share_digest("s", me, node, round_id, s_share))
+        plain = _SHARE.pack(me, node, round_id, index, b_share, s_low[position][1], s_high[position][1])
         if node == me:
             out[node] = plain  # kept by its owner, unencrypted (it never leaves the client)
             continue
@@ -239,7 +277,7 @@ def make_shares(me: int, secrets: ClientSecrets, public_keys: Mapping[int, tuple
         aad = struct.pack("<QQI", me, node, round_id)
         out[node] = nonce + ChaCha20Poly1305(_share_key(secrets.c_private, public_keys[node][0], round_id)).encrypt(
             nonce, plain, aad)
-    return commitment(secrets.seed), out
+    return commitment(secrets.seed), out, digests
 
 
 def mask(me: int, secrets: ClientSecrets, public_keys: Mapping[int, tuple[bytes, bytes]], levels: np.ndarray,
@@ -280,9 +318,14 @@ def open_share(me: int, secrets: ClientSecrets, owner: int, public_keys: Mapping
 
 
 def reveal(me: int, secrets: ClientSecrets, shares: Mapping[int, bytes], public_keys, uploaded: Iterable[int],
-           dropped: Iterable[int], threshold: int, round_id: int) -> dict[int, tuple[str, int, bytes]]:
+           dropped: Iterable[int], threshold: int, round_id: int,
+           digests: Mapping[int, bytes] | None = None) -> dict[int, tuple[str, int, bytes]]:
     """Stage 4 on a client: {owner: ("b" | "s", index, share)} — its share of each uploader's self-mask
-    seed and of each dropped client's mask key, never both of one client."""
+    seed and of each dropped client's mask key, never both of one client.
+
+    A share that does not open (forged, addressed elsewhere) or does not match the digest its
+    dealer published (``digests``: {owner: :data:`DIGEST_BYTES`}) is left out: that dealer
+    cheated this holder, and the server needs only ``threshold`` good shares."""
     uploaded, dropped = {int(v) for v in uploaded}, {int(v) for v in dropped}
     nodes = set(participants_of(public_keys))
     if uploaded & dropped:
@@ -297,57 +340,119 @@ def reveal(me: int, secrets: ClientSecrets, shares: Mapping[int, bytes], public_
     for owner in sorted(uploaded | dropped):
         if owner not in shares:
             continue  # a share that never arrived: the server needs only t of them
-        index, b_share, s_share = open_share(me, secrets, owner, public_keys, shares[owner], round_id)
-        out[owner] = ("b", index, b_share) if owner in uploaded else ("s", index, s_share)
+        try:
+            index, b_share, s_share = open_share(me, secrets, owner, public_keys, shares[owner], round_id)
+        except SecAggError:
+            continue  # the dealer sent this holder garbage: it has no share of it to give
+        kind, share = ("b", b_share) if owner in uploaded else ("s", s_share)
+        if digests is not None and owner != me:
+            digest = digests.get(owner, b"")
+            at = 0 if kind == "b" else 32
+            if digest[at:at + 32] != share_digest(kind, owner, me, round_id, share):
+                continue  # not the share its dealer published: revealing it would only get this holder blamed
+        out[owner] = (kind, index, share)
     return out
 
 
 # ---------------------------------------------------------------------- server side
-def _combine(pieces: list[tuple[int, bytes]], threshold: int, check, limit: int = 2000) -> bytes | None:
-    """A secret from ``threshold`` of the shares that passes ``check``, trying other subsets when a
-    share is bad (a hostile holder); None when none does within ``limit`` subsets. A secret longer
-    than 16 bytes (a mask key) was shared 16 bytes at a time: each block is combined alone."""
-    pieces = sorted({index: share for index, share in pieces}.items())
-    for subset in itertools.islice(itertools.combinations(pieces, threshold), limit):
-        size = len(subset[0][1])
-        secret = b"".join(Shamir.combine([(i, share[at:at + 16]) for i, share in subset]) for at in range(0, size, 16))
-        if check(secret):
-            return secret
-    return None
+class SecAggCheat(SecAggError):
+    """A round that cannot be finished because of what named clients provably did (``culprits``:
+    {node: why}); the evidence is the digests and shares the server holds."""
+
+    def __init__(self, message: str, culprits: Mapping[int, str]):
+        super().__init__(message)
+        self.culprits = dict(culprits)
+
+
+def _combine(pieces: list[tuple[int, bytes]], threshold: int) -> bytes:
+    """A secret from the first ``threshold`` of verified shares. A secret longer than 16 bytes (a
+    mask key) was shared 16 bytes at a time: each block is combined alone."""
+    subset = sorted(pieces)[:threshold]
+    size = len(subset[0][1])
+    return b"".join(Shamir.combine([(i, share[at:at + 16]) for i, share in subset]) for at in range(0, size, 16))
+
+
+def _consistent(pieces: list[tuple[int, bytes]], threshold: int, secret: bytes) -> bool:
+    """Whether the last ``threshold`` verified shares give the same secret as the first: more than
+    ``threshold`` shares of one dealer all lie on one polynomial only if it dealt honestly."""
+    pieces = sorted(pieces)
+    return len(pieces) <= threshold or _combine(pieces[-threshold:], threshold) == secret
 
 
 def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[bytes, bytes]],
            commitments: Mapping[int, bytes], revealed: Mapping[int, Mapping[int, tuple[str, int, bytes]]],
-           fixed: FixedPoint, threshold: int, round_id: int) -> np.ndarray:
+           fixed: FixedPoint, threshold: int, round_id: int, digests: Mapping[int, Mapping[int, bytes]], *,
+           positions: Sequence[int] | None = None, liars: dict[int, str] | None = None) -> np.ndarray:
     """The sum of the uploaders' levels mod ``2^k`` (uint64), from their masked inputs and the
-    survivors' revealed shares. SecAggError when fewer than ``threshold`` clients revealed, or a
-    secret cannot be reconstructed from the shares."""
+    survivors' revealed shares.
+
+    Each revealed share is read at its holder's own index (its place in ``positions``, the nodes
+    the shares were dealt to; default: ``public_keys``' order), whatever index the reply names,
+    and checked against the digest its dealer published (``digests``: {dealer: {holder: 64
+    bytes}}). A holder with any share that does not match is a liar: all its shares are set
+    aside and it is added to ``liars`` ({node: why}). No search over subsets: any ``threshold``
+    verified shares give the secret. SecAggError when fewer than ``threshold`` clients revealed
+    or a secret has fewer than ``threshold`` verified shares; :class:`SecAggCheat` naming the
+    dealer when its verified shares disagree or do not give the secret it committed to, or when
+    more than ``n − threshold`` of the revealing holders hold no valid share of it (an honest
+    holder reveals every share that matches its dealer's digest, so only a dealer that dealt bad
+    shares, or more dishonest holders than the threshold tolerates, can cause that)."""
     uploaded = sorted(int(v) for v in masked)
     dropped = sorted(set(participants_of(public_keys)) - set(uploaded))
-    if len(revealed) < threshold:
-        raise SecAggError(f"{len(revealed)} clients revealed shares, fewer than the threshold {threshold}")
+    order = list(positions) if positions is not None else participants_of(public_keys)
+    index_of = {int(v): i + 1 for i, v in enumerate(order)}
+    liars = liars if liars is not None else {}
+    good: dict[int, dict[int, tuple[str, bytes]]] = {}
+    for holder, shares in revealed.items():
+        holder = int(holder)
+        if holder not in index_of:
+            liars[holder] = "it revealed shares but was dealt none"
+            continue
+        mine, bad = {}, None
+        for owner, (kind, index, share) in shares.items():
+            digest = digests.get(int(owner), {}).get(holder, b"")
+            at = 0 if kind == "b" else 32
+            if int(index) != index_of[holder]:
+                bad = f"it labelled its share of node {owner} with index {index}, its own is {index_of[holder]}"
+            elif digest[at:at + 32] != share_digest(kind, int(owner), holder, round_id, share):
+                bad = f"its share of node {owner} is not the one node {owner} dealt it"
+            if bad:
+                break
+            mine[int(owner)] = (kind, share)
+        if bad:
+            liars[holder] = bad
+            continue
+        good[holder] = mine
+    if len(good) < threshold:
+        raise SecAggError(f"{len(good)} clients revealed verified shares, fewer than the threshold {threshold}")
     k, modulus = fixed.modulus_bits, np.uint64(fixed.modulus - 1)
     count = int(np.size(next(iter(masked.values()))))
     total = np.zeros(count, np.uint64)
     for node in uploaded:
         total = total + np.asarray(masked[node], np.uint64).ravel()
+
+    def secret_of(owner: int, kind: str, what: str, check) -> bytes:
+        pieces = [(index_of[h], mine[owner][1]) for h, mine in good.items()
+                  if owner in mine and mine[owner][0] == kind]
+        if len(pieces) < threshold:
+            message = (f"the {what} of node {owner} cannot be reconstructed: {len(pieces)} verified shares, "
+                       f"fewer than the threshold {threshold}")
+            withheld = sum(1 for mine in good.values() if owner not in mine)
+            if withheld > len(order) - threshold:  # more holders than the threshold tolerates: not their fault
+                why = f"{withheld} holders had no valid share of it (it dealt them bad shares)"
+                raise SecAggCheat(f"{message}; node {owner} cheated: {why}", {owner: why})
+            raise SecAggError(message)
+        secret = _combine(pieces, threshold)
+        if not (_consistent(pieces, threshold, secret) and check(secret)):
+            why = f"its {len(pieces)} verified shares do not give the {what} it committed to"
+            raise SecAggCheat(f"node {owner} cheated: {why}", {owner: why})
+        return secret
+
     for owner in uploaded:
-        pieces = [(idx, share) for holder in revealed.values() if owner in holder
-                  for kind, idx, share in [holder[owner]] if kind == "b"]
-        seed = _combine(pieces, threshold, lambda s, owner=owner: commitment(s) == commitments[owner]) \
-            if len(pieces) >= threshold else None
-        if seed is None:
-            raise SecAggError(f"the self-mask seed of node {owner} cannot be reconstructed from "
-                              f"{len(pieces)} shares")
+        seed = secret_of(owner, "b", "self-mask seed", lambda s, owner=owner: commitment(s) == commitments[owner])
         total = total - prg(self_mask_key(seed, round_id), count, k)
     for owner in dropped:
-        pieces = [(idx, share) for holder in revealed.values() if owner in holder
-                  for kind, idx, share in [holder[owner]] if kind == "s"]
-        key = _combine(pieces, threshold, lambda k, owner=owner: public_of(k) == public_keys[owner][1]) \
-            if len(pieces) >= threshold else None
-        if key is None:
-            raise SecAggError(f"the mask key of dropped node {owner} cannot be reconstructed from "
-                              f"{len(pieces)} shares")
+        key = secret_of(owner, "s", "mask key", lambda s, owner=owner: public_of(s) == public_keys[owner][1])
         for node in uploaded:  # node added +PRG(s_node,owner) when node < owner, else subtracted it
             pair = prg(pair_mask_key(key, public_keys[node][1], round_id), count, k)
             total = total - pair if node < owner else total + pair

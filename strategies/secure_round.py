@@ -122,6 +122,8 @@ class SecureRound:
         self.mail: dict[int, dict[int, bytes]] = {}  # recipient -> {sender: encrypted share}
         self.masked: dict[int, np.ndarray] = {}
         self.dropped: dict[int, str] = {}  # node -> why it left the round
+        self.digests: dict[int, dict[int, bytes]] = {}  # dealer -> {holder: digests of the two shares it dealt}
+        self.dealt_to: list[int] = []  # the nodes the shares were dealt to, in share-index order
 
     def _header(self) -> dict:
         return {"round": self.round, "n": self.n}
@@ -148,9 +150,8 @@ class SecureRound:
             try:
                 record = _record(msg)
                 keys = (record.get("c-key"), record.get("s-key"))
-                for key in keys:
-                    if not isinstance(key, bytes) or len(key) != secagg.KEY_BYTES:
-                        raise SecAggError(f"its public keys must be {secagg.KEY_BYTES} bytes each")
+                for name, key in zip(("c", "s"), keys):  # a low-order key would break every honest agreement
+                    secagg.check_public_key(key, f"its {name} key")
                 if keys[1] in {k[1] for k in self.public.values()}:
                     raise SecAggError("it advertises another node's key")
                 self.public[int(node)] = keys
@@ -158,6 +159,11 @@ class SecureRound:
                 self._drop(node, f"keys: {err}")
         nodes = sorted(self.public)
         self._check_count(nodes, "keys")
+        # from here on the round is the advertised participants: t is a majority of them, and the
+        # messages say n = their number (a client checks both against the list it is given)
+        self.n, self.dealt_to = len(nodes), nodes
+        self.fixed = self.settings.fixed_point(self.n)
+        self.threshold = self.settings.threshold_for(self.n)
         content = {**self._header(), **self._keys_record(nodes), "threshold": self.threshold,
                    "bits": int(self.fixed.bits), "clip": float(self.fixed.clip)}
         return [Message(RecordDict({RECORD: _config(content)}), dst_node_id=v, message_type=SHARES)
@@ -175,6 +181,10 @@ class SecureRound:
                 to, blobs = _nodes(record, "to"), _split(record, "shares", secagg.SHARE_BLOB)
                 if sorted(to) != sorted(advertised - {node}) or len(blobs) != len(to):
                     raise SecAggError("it must send one share to every other participant")
+                digests = _split(record, "digests", secagg.DIGEST_BYTES)
+                if len(digests) != len(self.dealt_to):
+                    raise SecAggError("it must publish the digests of every share it dealt")
+                self.digests[int(node)] = dict(zip(self.dealt_to, digests))
                 self.commitments[int(node)] = commitment
                 for recipient, blob in zip(to, blobs):
                     self.mail.setdefault(recipient, {})[int(node)] = blob
@@ -197,7 +207,8 @@ class SecureRound:
         mail = self.mail.get(node, {})
         senders = [v for v in nodes if v != node and v in mail]
         content = {**self._header(), **self._keys_record(nodes), "from": _ids(senders),
-                   "shares": b"".join(mail[v] for v in senders)}
+                   "shares": b"".join(mail[v] for v in senders),
+                   "digests": b"".join(self.digests[v][node] for v in senders)}
         message.content[RECORD] = _config(content)
         return message
 
@@ -236,7 +247,10 @@ class SecureRound:
                 for v in uploaded]
 
     def take_reveals(self, replies: Mapping[int, Message]) -> dict[str, np.ndarray]:
-        """Stage 4's replies -> the sum of the uploaders' values per key (float64, decoded)."""
+        """Stage 4's replies -> the sum of the uploaders' values per key (float64, decoded). A holder
+        whose shares do not match their dealers' digests, or carry another holder's index, is dropped
+        with the reason (:func:`strategies.secagg.unmask`); SecAggCheat names a dealer whose
+        verified shares do not give its committed secret."""
         revealed = {}
         for node, msg in replies.items():
             if int(node) not in self.masked:
@@ -252,7 +266,7 @@ class SecureRound:
                 for owner, kind, index in zip(owners, kinds, indices):
                     wanted = "b" if owner in self.masked else "s"
                     size = secagg.SEED_BYTES if wanted == "b" else secagg.KEY_BYTES
-                    if kind != wanted or not 1 <= index <= self.n or len(blob) < start + size:
+                    if kind != wanted or len(blob) < start + size:
                         raise SecAggError(f"a malformed share of node {owner}")
                     mine[owner] = (kind, index, blob[start:start + size])
                     start += size
@@ -261,8 +275,14 @@ class SecureRound:
                 revealed[int(node)] = mine
             except SecAggError as err:
                 self._drop(node, f"unmask: {err}")
-        total = secagg.unmask(self.masked, {v: self.public[v] for v in self.participants}, self.commitments,
-                              revealed, self.fixed, self.threshold, self.round)
+        liars: dict[int, str] = {}
+        try:
+            total = secagg.unmask(self.masked, {v: self.public[v] for v in self.participants}, self.commitments,
+                                  revealed, self.fixed, self.threshold, self.round, self.digests,
+                                  positions=self.dealt_to, liars=liars)
+        finally:
+            for node, why in sorted(liars.items()):
+                self._drop(node, f"unmask: {why}")
         values = self.fixed.decode_sum(total, len(self.masked))
         out, start = {}, 0
         for key, shape in self.layout.items():
@@ -310,22 +330,39 @@ def client_keys(msg: Message, state: RecordDict, settings: SecureSettings) -> Re
 
 
 def client_shares(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
-    """Stage 2 on a node: its Shamir shares, encrypted to each other participant. The node checks
-    that the server asks for the run's own settings (threshold, bits, clip), not weaker ones."""
+    """Stage 2 on a node: its Shamir shares, encrypted to each other participant, and the digests
+    of all of them. The node derives the threshold from the participants' list it is given (a
+    majority of them, or the run's own threshold), checks that the message's ``n`` is that list's
+    length, and that the server asks for the run's own settings (threshold, bits, clip), not weaker ones."""
     record = _record(msg)
-    server_round, fixed, threshold = _round_of(record, settings)
+    server_round, fixed, _ = _round_of(record, settings)
+    public = _keys_of(record)
+    if record.get("n") != len(public):
+        raise SecAggError(f"the server says n = {record.get('n')} but advertises {len(public)} participants")
+    threshold = settings.threshold_for(len(public))
     if (record.get("threshold"), record.get("bits"), record.get("clip")) != (threshold, fixed.bits, fixed.clip):
         raise SecAggError(f"the server asks for threshold {record.get('threshold')}, {record.get('bits')} bits, "
                           f"clip {record.get('clip')}; this run's settings give {threshold}, {fixed.bits}, "
                           f"{fixed.clip}")
     secrets, kept = _secrets(state, server_round)
-    public = _keys_of(record)
-    commitment, out = secagg.make_shares(me, secrets, public, threshold, server_round)
+    commitment, out, digests = secagg.make_shares(me, secrets, public, threshold, server_round)
     kept["seed"] = secrets.seed
     kept["own-share"] = out.pop(me)
+    kept["threshold"], kept["dealt"] = threshold, _ids(sorted(public))
+    kept["dealt-keys"] = b"".join(public[v][0] + public[v][1] for v in sorted(public))
     to = sorted(out)
     return RecordDict({RECORD: _config({"commitment": commitment, "to": _ids(to),
-                                             "shares": b"".join(out[v] for v in to)})})
+                                             "shares": b"".join(out[v] for v in to),
+                                             "digests": b"".join(digests[v] for v in sorted(public))})})
+
+
+def _dealt(kept: ConfigRecord) -> tuple[int, dict[int, tuple[bytes, bytes]]]:
+    """The threshold and the participants' keys this node dealt its shares under (stage 2)."""
+    if "threshold" not in kept:
+        raise SecAggError("this node dealt no shares in this round")
+    nodes = _nodes(kept, "dealt")
+    pairs = _split(kept, "dealt-keys", 2 * secagg.KEY_BYTES)
+    return int(kept["threshold"]), {v: (p[:secagg.KEY_BYTES], p[secagg.KEY_BYTES:]) for v, p in zip(nodes, pairs)}
 
 
 def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettings,
@@ -333,17 +370,22 @@ def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettin
     """Stage 3 on a node: its values (any keys; sorted order) masked, as ``postcard.secagg`` arrays,
     and the fraction of values clipped to ±clip. The shares relayed to it are kept for stage 4."""
     record = _record(msg)
-    server_round, fixed, threshold = _round_of(record, settings)
+    server_round, _, _ = _round_of(record, settings)
     secrets, kept = _secrets(state, server_round)
+    threshold, dealt = _dealt(kept)
+    fixed = settings.fixed_point(len(dealt))
     public = _keys_of(record)
     if me not in public or len(public) < threshold:
         raise SecAggError(f"the round's {len(public)} participants are fewer than the threshold {threshold}, "
                           "or this node is not among them")
+    if any(dealt.get(v) != keys for v, keys in public.items()):
+        raise SecAggError("the participants' keys are not those this node dealt its shares to")
     senders, blobs = _nodes(record, "from"), _split(record, "shares", secagg.SHARE_BLOB)
-    if len(senders) != len(blobs):
+    digests = _split(record, "digests", secagg.DIGEST_BYTES)
+    if not len(senders) == len(blobs) == len(digests):
         raise SecAggError("the relayed shares are malformed")
     kept["uploaded"] = True
-    for key in ("nodes", "c-keys", "s-keys", "from", "shares"):  # kept for stage 4
+    for key in ("nodes", "c-keys", "s-keys", "from", "shares", "digests"):  # kept for stage 4
         if key in record:
             kept[key] = record[key]
     keys = sorted(values)
@@ -362,15 +404,18 @@ def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettin
 def client_unmask(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
     """Stage 4 on a node: its shares of the uploaders' seeds and of the dropped nodes' mask keys."""
     record = _record(msg)
-    server_round, _, threshold = _round_of(record, settings)
+    server_round, _, _ = _round_of(record, settings)
     secrets, kept = _secrets(state, server_round)
     if not kept.get("uploaded"):
         raise SecAggError("this node did not upload in this round")
+    threshold, _ = _dealt(kept)
     public = _keys_of(kept)
-    shares = dict(zip(_nodes(kept, "from"), _split(kept, "shares", secagg.SHARE_BLOB)))
+    senders = _nodes(kept, "from")
+    shares = dict(zip(senders, _split(kept, "shares", secagg.SHARE_BLOB)))
+    digests = dict(zip(senders, _split(kept, "digests", secagg.DIGEST_BYTES)))
     shares[me] = kept["own-share"]
     revealed = secagg.reveal(me, secrets, shares, public, _nodes(record, "uploaded"), _nodes(record, "dropped"),
-                             threshold, server_round)
+                             threshold, server_round, digests)
     del state[_STATE]  # the round's secrets are spent
     owners = sorted(revealed)
     return RecordDict({RECORD: _config({"owners": _ids(owners), "kinds": "".join(revealed[v][0] for v in owners),
@@ -381,13 +426,14 @@ def client_unmask(me: int, msg: Message, state: RecordDict, settings: SecureSett
 # ---------------------------------------------------------------------- both ends in one process
 def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, server_round: int = 1,
                 skip_upload: Iterable[int] = (), skip_unmask: Iterable[int] = (), records: Mapping | None = None,
-                tamper=None, timings: dict | None = None) -> dict:
+                tamper=None, timings: dict | None = None, hostile: Mapping | None = None) -> dict:
     """One secure round of ``strategy`` (a PayloadFedAvg with ``secure`` settings) with in-process
     clients, no Flower runtime: the same messages and checks as a run (tests and benchmarks).
 
     ``updates``: {node: {key: update}}; nodes in ``skip_upload`` vanish after the shares stage,
     those in ``skip_unmask`` after uploading. ``records``: extra records in every training reply;
-    ``tamper(replies)`` may change the training replies before the server sees them. ``timings``
+    ``tamper(replies)`` may change the training replies before the server sees them, and
+    ``hostile[stage](replies)`` any stage's (``KEYS``, ``SHARES``, ``"train"``, ``UNMASK``). ``timings``
     collects seconds per (stage, 'server' | 'client', summed over clients). Returns the round's record so far
     (per-client bytes, the secure-aggregation summary, refusals)."""
     import time
@@ -405,7 +451,12 @@ def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, se
         return out
 
     def answer(stage, msgs, fn, skip=()):
-        return [Message(timed(stage, "client", fn, m), reply_to=m) for m in msgs if m.metadata.dst_node_id not in skip]
+        replies = [Message(timed(stage, "client", fn, m), reply_to=m) for m in msgs
+                   if m.metadata.dst_node_id not in skip]
+        stage_type = {"keys": KEYS, "shares": SHARES, "upload": "train", "unmask": UNMASK}[stage]
+        if hostile and stage_type in hostile:
+            hostile[stage_type](replies)
+        return replies
 
     def node(m):
         return int(m.metadata.dst_node_id)

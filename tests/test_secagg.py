@@ -11,28 +11,35 @@ from strategies.secagg import ClientSecrets, FixedPoint, SecAggError
 ROUND = 3
 
 
-def setup(nodes, threshold):
-    """Stages 1 and 2 for ``nodes``: secrets, public keys, commitments, shares held by each node."""
+def setup(nodes, threshold, with_digests=False):
+    """Stages 1 and 2 for ``nodes``: secrets, public keys, commitments, shares held by each node
+    (and the digests each dealer published: {dealer: {holder: digests}})."""
     secrets = {v: ClientSecrets.new() for v in nodes}
     public = {v: s.public_keys() for v, s in secrets.items()}
-    commitments, held = {}, {v: {} for v in nodes}
+    commitments, held, digests = {}, {v: {} for v in nodes}, {}
     for owner in nodes:
-        commitments[owner], out = secagg.make_shares(owner, secrets[owner], public, threshold, ROUND)
+        commitments[owner], out, digests[owner] = secagg.make_shares(owner, secrets[owner], public, threshold, ROUND)
         for holder, blob in out.items():
             held[holder][owner] = blob
+    if with_digests:
+        return secrets, public, commitments, held, digests
     return secrets, public, commitments, held
 
 
 def run(nodes, values, fixed, threshold, *, upload, reveal_by, tamper=None):
-    secrets, public, commitments, held = setup(nodes, threshold)
+    secrets, public, commitments, held, digests = setup(nodes, threshold, with_digests=True)
     rng = np.random.default_rng(0)
     masked = {v: secagg.mask(v, secrets[v], public, fixed.encode(values[v], rng)[0], fixed, ROUND) for v in upload}
     dropped = sorted(set(nodes) - set(upload))
-    revealed = {v: secagg.reveal(v, secrets[v], held[v], public, upload, dropped, threshold, ROUND)
+    revealed = {v: secagg.reveal(v, secrets[v], held[v], public, upload, dropped, threshold, ROUND,
+                                 {o: d[v] for o, d in digests.items()})
                 for v in reveal_by}
     if tamper:
         tamper(revealed)
-    return masked, secagg.unmask(masked, public, commitments, revealed, fixed, threshold, ROUND)
+    liars = {}
+    total = secagg.unmask(masked, public, commitments, revealed, fixed, threshold, ROUND, digests, liars=liars)
+    run.liars = liars
+    return masked, total
 
 
 def test_the_unmasked_sum_is_the_plain_sum_of_the_levels_exactly():
@@ -40,12 +47,12 @@ def test_the_unmasked_sum_is_the_plain_sum_of_the_levels_exactly():
     fixed = FixedPoint(bits=4, clip=1.0, num_clients=4)
     assert fixed.modulus_bits == 6 and fixed.dtype == np.uint8  # int4 values of 4 clients: 6 bits, one byte
     values = {v: np.random.default_rng(v).uniform(-1, 1, 1280) for v in nodes}
-    secrets, public, commitments, held = setup(nodes, 3)
+    secrets, public, commitments, held, digests = setup(nodes, 3, with_digests=True)
     levels = {v: fixed.encode(values[v], np.random.default_rng(v))[0] for v in nodes}
     masked = {v: secagg.mask(v, secrets[v], public, levels[v], fixed, ROUND) for v in nodes}
     assert all(m.dtype == np.uint8 and m.nbytes == 1280 for m in masked.values())  # 2x the int4 payload's 640
     revealed = {v: secagg.reveal(v, secrets[v], held[v], public, nodes, [], 3, ROUND) for v in nodes}
-    total = secagg.unmask(masked, public, commitments, revealed, fixed, 3, ROUND)
+    total = secagg.unmask(masked, public, commitments, revealed, fixed, 3, ROUND, digests)
     np.testing.assert_array_equal(total, sum(levels.values()))
     # decoded: the mean of the values within half a step (stochastic rounding: unbiased, error < one step)
     mean = fixed.decode_sum(total, 4) / 4
@@ -77,7 +84,7 @@ def test_clients_dropping_after_upload_are_recovered_and_below_t_the_round_fails
         run(nodes, values, fixed, 4, upload=[1, 2, 3], reveal_by=[1, 2, 3])
 
 
-def test_a_bad_share_is_outvoted_and_a_forged_ciphertext_refused():
+def test_a_lying_holder_is_named_and_set_aside_and_a_forged_ciphertext_refused():
     nodes = [1, 2, 3, 4, 5]
     fixed = FixedPoint(bits=4, clip=1.0, num_clients=5)
     values = {v: np.zeros(8) for v in nodes}
@@ -88,6 +95,7 @@ def test_a_bad_share_is_outvoted_and_a_forged_ciphertext_refused():
 
     _, total = run(nodes, values, fixed, 3, upload=nodes, reveal_by=nodes, tamper=corrupt)
     np.testing.assert_allclose(fixed.decode_sum(total, 5), 0, atol=5 * fixed.step)
+    assert list(run.liars) == [2] and "not the one node 1 dealt it" in run.liars[2]
     secrets, public, _, held = setup(nodes, 3)
     forged = bytearray(held[2][1])
     forged[-1] ^= 1

@@ -61,10 +61,10 @@ def test_the_secure_mean_is_the_plain_mean_of_the_quantised_updates():
 
 @pytest.mark.parametrize("skip_upload, skip_unmask", [([9], []), ([9, 14], []), ([], [3]), ([], [3, 20])])
 def test_dropouts_are_recovered_while_t_remain(skip_upload, skip_unmask):
-    strat = strategy(SecureSettings(bits=16, clip=0.5, threshold=2))
-    updates = updates_for([3, 9, 14, 20])
+    strat = strategy(SecureSettings(bits=16, clip=0.5))  # 5 clients: t = 3, a majority
+    updates = updates_for([3, 9, 14, 20, 27])
     new = drive(strat, updates, skip_upload=skip_upload, skip_unmask=skip_unmask)
-    uploaded = [v for v in (3, 9, 14, 20) if v not in skip_upload]
+    uploaded = [v for v in (3, 9, 14, 20, 27) if v not in skip_upload]
     np.testing.assert_allclose(flat(new), plain_mean(strat, updates, uploaded), atol=1e-6)
 
 
@@ -139,7 +139,8 @@ def test_a_malformed_stage_reply_drops_its_node_and_a_node_refuses_weaker_settin
     replies[2].content[RECORD]["s-key"] = b"short"  # node 3's key is malformed
     shares = strat.secure_keys(1, replies)
     assert sorted(m.metadata.dst_node_id for m in shares) == [1, 2]
-    assert strat._secure.dropped[3].startswith("keys: its public keys must be 32 bytes")
+    assert strat._secure.dropped[3].startswith("keys: its s key must be 32 bytes")
+    assert strat._round["refused"][-1]["node_id"] == 3 and strat._round["refused"][-1]["kind"] == "secagg"
     # a server asking node 1 for a threshold of 1 (shares that give the secret away) is refused
     shares[0].content[RECORD]["threshold"] = 1
     with pytest.raises(SecAggError, match="the server asks for threshold 1"):

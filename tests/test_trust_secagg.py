@@ -1,0 +1,205 @@
+"""One malicious client cannot stop or void a secure run (issue #39's findings 2 and 4).
+
+Each test drives a whole secure round in-process (``local_round``: the same messages and
+checks as a run) with one client that cheats at one stage, and asserts that the round
+still ends with the honest clients' mean, or — where the cheat is provable and the round
+cannot be finished — that the cheat is named, excluded from the rest of the run, and the
+global state unchanged. Every refusal names the culprit, never a victim.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from strategies import secagg
+from strategies.base import PayloadFedAvg
+from strategies.secagg import SecAggError
+from strategies.secure_round import (KEYS, RECORD, SHARES, UNMASK, SecureSettings, client_keys, client_shares,
+                                     local_round)
+
+STATE = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}
+P = 2**255 - 19
+# points of order 1, 2, 4 and 8 on Curve25519 (RFC 7748's list of inputs to refuse), and one that is not canonical
+LOW_ORDER = [0, 1, P - 1,
+             325606250916557431795983626356110631294008115727848805560023387167927233504,
+             39382357235489614581723060781553021112529911719440698176882885853963445705823]
+NON_CANONICAL = P + 9  # 9 is the base point: as u ≥ p it is another encoding of it
+
+
+def key_bytes(u: int) -> bytes:
+    return int(u).to_bytes(32, "little")
+
+
+def strategy(threshold=None, clients=4):
+    return PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=clients, uplink="delta",
+                         secure=SecureSettings(bits=16, clip=0.5, threshold=threshold))
+
+
+def updates_for(nodes):
+    return {v: {k: np.random.default_rng(v).normal(0, 0.05, s.shape) for k, s in STATE.items()} for v in nodes}
+
+
+def mean_of(updates, nodes, fixed):
+    """The mean the server must reach: the honest clients' quantised updates (as local_round draws them)."""
+    decoded = []
+    for v in nodes:
+        flat = np.concatenate([np.asarray(updates[v][k], np.float64).ravel() for k in sorted(updates[v])])
+        levels, _ = fixed.encode(flat, np.random.default_rng(v))
+        decoded.append(levels * fixed.step - fixed.clip)
+    return np.mean(decoded, axis=0)
+
+
+def flat(state):
+    return np.concatenate([state[k].astype(np.float64).ravel() for k in sorted(state)])
+
+
+def by_node(replies, node):
+    return next(m for m in replies if int(m.metadata.src_node_id) == node)
+
+
+@pytest.mark.parametrize("which", ["s-key", "c-key"])
+@pytest.mark.parametrize("u", LOW_ORDER + [NON_CANONICAL])
+def test_a_low_order_or_non_canonical_key_is_refused_by_name_and_the_round_completes(which, u):
+    nodes = [3, 9, 14, 20]
+    strat, updates = strategy(), updates_for(nodes)
+
+    def bad_key(replies):  # node 14 advertises a key that breaks (or fixes) every agreement with it
+        by_node(replies, 14).content[RECORD][which] = key_bytes(u)
+
+    local_round(strat, updates, hostile={KEYS: bad_key})
+    honest = [3, 9, 20]
+    fixed = strat.secure.fixed_point(3)
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, honest, fixed), atol=1e-6)
+    refused = strat._round["refused"]
+    assert [r["node_id"] for r in refused] == [14] and r_kind(refused) == {"secagg"}
+    assert "X25519 key" in refused[0]["reason"]
+
+
+def r_kind(refused):
+    return {r["kind"] for r in refused}
+
+
+def test_a_client_refuses_a_low_order_key_a_server_relays_naming_the_node():
+    settings = SecureSettings(bits=16, clip=0.5)
+    states = {v: RecordDict() for v in (1, 2, 3)}
+    keys = {}
+    for v in states:
+        msg = Message(RecordDict({RECORD: ConfigRecord({"round": 1, "n": 3})}), dst_node_id=v, message_type=KEYS)
+        reply = client_keys(msg, states[v], settings)[RECORD]
+        keys[v] = (reply["c-key"], reply["s-key"])
+    keys[3] = (keys[3][0], key_bytes(0))  # a server that relays node 3's low-order key
+    content = {"round": 1, "n": 3, "nodes": "1,2,3", "c-keys": b"".join(keys[v][0] for v in (1, 2, 3)),
+               "s-keys": b"".join(keys[v][1] for v in (1, 2, 3)), "threshold": 2, "bits": 16, "clip": 0.5}
+    msg = Message(RecordDict({RECORD: ConfigRecord(content)}), dst_node_id=1, message_type=SHARES)
+    with pytest.raises(SecAggError, match="node 3's s key is a low-order X25519 key"):
+        client_shares(1, msg, states[1], settings)
+
+
+def test_a_holder_revealing_another_holders_index_is_named_and_the_round_completes():
+    nodes = [3, 9, 14, 20, 27]
+    strat, updates = strategy(clients=5), updates_for(nodes)
+
+    def relabel(replies):  # node 9 sends random shares labelled with node 3's index
+        record = by_node(replies, 9).content[RECORD]
+        count = len(record["owners"].split(","))
+        record["indices"] = ",".join(["1"] * count)
+        record["shares"] = np.random.default_rng(0).bytes(len(record["shares"]))
+
+    local_round(strat, updates, hostile={UNMASK: relabel})
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes, strat.secure.fixed_point(5)),
+                               atol=1e-6)
+    refused = strat._round["refused"]
+    assert [r["node_id"] for r in refused] == [9] and "index 1, its own is 2" in refused[0]["reason"]
+
+
+def test_a_holder_lying_about_its_shares_at_n16_is_named_at_once_and_the_round_completes():
+    nodes = list(range(1, 17))  # t = 9; node 1 lies about every share it reveals
+    strat, updates = strategy(clients=16), updates_for(nodes)
+
+    def lie(replies):
+        record = by_node(replies, 1).content[RECORD]
+        record["shares"] = bytes(len(record["shares"]))
+
+    start = time.perf_counter()
+    local_round(strat, updates, hostile={UNMASK: lie})
+    finish = time.perf_counter() - start
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes, strat.secure.fixed_point(16)),
+                               atol=1e-6)
+    refused = strat._round["refused"]
+    assert [r["node_id"] for r in refused] == [1] and "is not the one node" in refused[0]["reason"]
+    assert finish < 8.6  # the old subset search spent 8.6 s here and then gave up
+
+
+def test_a_dealer_sending_garbage_shares_cannot_stop_the_holders():
+    nodes = [3, 9, 14, 20, 27]
+    strat, updates = strategy(clients=5), updates_for(nodes)
+
+    def garbage(replies):  # node 20 deals ciphertexts that open for nobody: its seed has no good shares
+        record = by_node(replies, 20).content[RECORD]
+        record["shares"] = bytes(len(record["shares"]))
+
+    local_round(strat, updates, hostile={SHARES: garbage})
+    # the honest holders reveal what they have; node 20's seed cannot be rebuilt (only its own share is
+    # good): that round is void (the state unchanged), node 20 named and excluded from the rest of the run
+    assert np.all(flat(strat.global_state) == 0)
+    reason = strat._round["refused"][-1]["reason"]
+    assert "node 20 cheated" in reason and "4 holders had no valid share" in reason
+    assert list(strat.banned) == [20]
+
+
+def test_a_dealer_whose_shares_do_not_give_its_commitment_is_excluded_from_the_run():
+    nodes = [3, 9, 14, 20]
+    strat, updates = strategy(), updates_for(nodes)
+
+    def bad_commitment(replies):
+        by_node(replies, 14).content[RECORD]["commitment"] = bytes(32)
+
+    local_round(strat, updates, hostile={SHARES: bad_commitment})
+    assert np.all(flat(strat.global_state) == 0)  # that round is void: the state unchanged
+    assert list(strat.banned) == [14] and "committed to" in strat.banned[14]
+    assert strat._round["excluded"] == [{"node_id": 14, "reason": strat.banned[14]}]
+    # the culprit gets no further message of the run: the next round goes on without it
+    train = [Message(RecordDict(), dst_node_id=v, message_type="train") for v in nodes]
+    assert [int(m.metadata.dst_node_id) for m in strat._unbanned(train)] == [3, 9, 20]
+    arrays, meta = strat.state_dict()
+    again = strategy()
+    again.load_state_dict(arrays, meta)
+    assert again.banned == strat.banned  # a resumed run keeps it out too
+    local_round(strat, updates_for([3, 9, 20]), server_round=2)
+    np.testing.assert_allclose(flat(strat.global_state),
+                               mean_of(updates_for([3, 9, 20]), [3, 9, 20], strat.secure.fixed_point(3)), atol=1e-6)
+
+
+def test_a_server_cannot_lower_the_threshold():
+    settings = SecureSettings(bits=16, clip=0.5)
+    nodes = [1, 2, 3, 4, 5, 6]
+    states = {v: RecordDict() for v in nodes}
+    keys = {}
+    for v in nodes:
+        msg = Message(RecordDict({RECORD: ConfigRecord({"round": 1, "n": 6})}), dst_node_id=v, message_type=KEYS)
+        reply = client_keys(msg, states[v], settings)[RECORD]
+        keys[v] = (reply["c-key"], reply["s-key"])
+    base = {"round": 1, "nodes": ",".join(map(str, nodes)), "c-keys": b"".join(keys[v][0] for v in nodes),
+            "s-keys": b"".join(keys[v][1] for v in nodes), "bits": 16, "clip": 0.5}
+
+    def ask(**over):
+        msg = Message(RecordDict({RECORD: ConfigRecord({**base, **over})}), dst_node_id=1, message_type=SHARES)
+        return client_shares(1, msg, states[1], settings)
+
+    with pytest.raises(SecAggError, match="says n = 3 but advertises 6 participants"):
+        ask(n=3, threshold=2)  # the reviewer's attack: n = 3 claimed beside six keys, so t = 2
+    with pytest.raises(SecAggError, match="asks for threshold 2"):
+        ask(n=6, threshold=2)
+    assert ask(n=6, threshold=4)[RECORD]["commitment"]  # a majority of the six: accepted
+    with pytest.raises(SecAggError, match="must be a majority"):
+        SecureSettings(bits=16, clip=0.5, threshold=3).threshold_for(6)  # 3 of 6 is no majority
+
+
+def test_every_x25519_low_order_input_is_refused_and_a_real_key_accepted():
+    for u in LOW_ORDER + [NON_CANONICAL, 2**255 + 9]:
+        with pytest.raises(SecAggError):
+            secagg.check_public_key(key_bytes(u), "key")
+    good = secagg.ClientSecrets.new().public_keys()
+    assert secagg.check_public_key(good[0], "key") == good[0]
