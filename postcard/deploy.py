@@ -1,22 +1,23 @@
-"""Deployment helpers: TLS certificates, SuperNode keys and a loopback cluster run by pid.
+"""Deployment helpers: certificates and keys, registration, and a loopback cluster run by pid.
 
 The same app that ``flwr run .`` simulates runs unchanged on a real SuperLink with real
 SuperNodes. This module holds what that needs besides Flower itself:
 
-* :func:`make_certificates` — a private CA and a server certificate for the SuperLink
-  (its host names / IPs as SANs), written with the ``cryptography`` package;
-* :func:`make_node_keys` — one EC (P-384) key pair per SuperNode in OpenSSH format, the
-  format ``flower-supernode --auth-supernode-private-key`` and
-  ``flwr supernode register`` expect;
-* :class:`LoopbackCluster` — a ``flower-superlink`` with TLS and SuperNode authentication
-  plus N ``flower-supernode`` processes on 127.0.0.1, each with its own ``FLWR_HOME``,
-  its own log file and its own partition, driven through the ``flwr`` CLI exactly as a
-  user would; every process is started here and stopped here by its process id.
+* certificates and keys (``postcard.certs``, re-exported here): :func:`make_certificates`,
+  :func:`make_node_keys`, :func:`layout_secrets` (one folder per holder);
+* :func:`register_keys` — ``flwr supernode register``, idempotent;
+* :class:`LoopbackCluster` — the SuperLink of docs/deploy.md §3.3 (``postcard.fleetgate``:
+  TLS, SuperNode authentication, every API on 127.0.0.1, the Fleet API alone on
+  127.0.0.2) plus N ``flower-supernode`` processes, each with its own ``FLWR_HOME``, its
+  own key, log file and partition, driven through the ``flwr`` CLI exactly as a user
+  would; every process is started here and stopped here by its process id (process
+  helpers: ``postcard.procs``).
 
 Command line (``make deploy-local`` calls the last one)::
 
     python -m postcard.deploy certs DIR [--host superlink.example.org --host 10.0.0.5]
-    python -m postcard.deploy node-keys DIR --nodes 3
+    python -m postcard.deploy node-keys DIR --nodes 3 [--first 0]
+    python -m postcard.deploy secrets DIR --nodes 3 [--host ...]   # ca/ superlink/ public/ supernode-<i>/
     python -m postcard.deploy register KEY.pub... --superlink HOST:PORT --root-certificates ca.crt
     python -m postcard.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep]
 """
@@ -24,13 +25,10 @@ Command line (``make deploy-local`` calls the last one)::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import ipaddress
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,120 +38,23 @@ from pathlib import Path
 
 import psutil
 
+from postcard.certs import (  # noqa: F401  (re-exported: postcard.deploy.make_certificates, ...)
+    CA_CERT, CA_KEY, LOOPBACK, SERVER_CERT, SERVER_KEY, layout_secrets, make_certificates, make_node_keys,
+)
+from postcard.procs import free_port, kill_tree, port_open  # noqa: F401  (re-exported)
+from postcard.superlink import local_env
+
 ROOT = Path(__file__).resolve().parent.parent  # the app folder (pyproject.toml)
 CONNECTION = "postcard-local"  # name of the SuperLink connection in the CLI's config.toml
-LOOPBACK = "127.0.0.1"
-
-# file names inside a certificate folder (the same names the docker/ files use)
-CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.pem", "server.key"
+# on loopback the SuperNodes reach the Fleet API on a loopback address of its own, as they would reach
+# the server's public address: the Control API (127.0.0.1 only) does not listen there
+FLEET_LOOPBACK = "127.0.0.2"
 # what `python -m postcard.deploy local` runs by default: the tiny Llama, one client per node, 2 short rounds
 LOCAL_RUN_CONFIG = "preset='test' overrides='num_clients={nodes} rounds=2 train.local_steps=4'"
 
 
 class DeployError(RuntimeError):
     """A cluster process failed to start or a CLI call failed; the message names its log."""
-
-
-# ---------------------------------------------------------------------------- certificates
-def make_certificates(folder: str | Path, hosts: list[str] | tuple[str, ...] = ("localhost", LOOPBACK),
-                      days: int = 365) -> dict[str, Path]:
-    """A private CA (``ca.crt``/``ca.key``) and a SuperLink certificate (``server.pem``/``server.key``).
-
-    ``hosts`` are the names and IP addresses SuperNodes and the ``flwr`` CLI use to reach
-    the SuperLink; each becomes a subjectAltName (TLS checks the address against them).
-    Keys are unencrypted PEM, readable by the owner only. Returns the four paths.
-    """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    if not hosts:
-        raise ValueError("at least one host name or IP address is needed for the certificate")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # tolerate small clock skew
-    until = now + dt.timedelta(days=int(days))
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Postcard"),
-                         x509.NameAttribute(NameOID.COMMON_NAME, "Postcard federation CA")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name).issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(until)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    sans: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            sans.append(x509.DNSName(host))
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Postcard"),
-                                 x509.NameAttribute(NameOID.COMMON_NAME, str(hosts[0]))]))
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(until)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    def key_pem(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-
-    paths = {name: folder / name for name in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY)}
-    _write(paths[CA_CERT], ca_cert.public_bytes(serialization.Encoding.PEM), private=False)
-    _write(paths[CA_KEY], key_pem(ca_key), private=True)
-    _write(paths[SERVER_CERT], server_cert.public_bytes(serialization.Encoding.PEM), private=False)
-    _write(paths[SERVER_KEY], key_pem(server_key), private=True)
-    return paths
-
-
-def make_node_keys(folder: str | Path, nodes: int, prefix: str = "supernode") -> list[tuple[Path, Path]]:
-    """``nodes`` EC P-384 key pairs in OpenSSH format: ``<prefix>-<i>`` and ``<prefix>-<i>.pub``.
-
-    The private key stays on the SuperNode (``--auth-supernode-private-key``); the public
-    key is registered on the SuperLink with ``flwr supernode register <key>.pub <connection>``.
-    """
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    pairs = []
-    for i in range(int(nodes)):
-        key = ec.generate_private_key(ec.SECP384R1())
-        private = folder / f"{prefix}-{i}"
-        public = folder / f"{prefix}-{i}.pub"
-        _write(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()), private=True)
-        _write(public, key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                     serialization.PublicFormat.OpenSSH) + b"\n", private=False)
-        pairs.append((private, public))
-    return pairs
-
-
-def _write(path: Path, data: bytes, *, private: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
 
 
 # ---------------------------------------------------------------------------- registration
@@ -203,44 +104,10 @@ def register_keys(flwr_home: str | Path, public_keys: list[str | Path], *, conne
 
 
 # ---------------------------------------------------------------------------- processes
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def kill_tree(pid: int, timeout: float = 15.0) -> list[int]:
-    """Kill a process and all its descendants (children first), by process id."""
-    try:
-        root = psutil.Process(pid)
-        family = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return []
-    killed = []
-    for member in family:
-        try:
-            member.kill()
-            killed.append(member.pid)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=timeout)
-    return killed
-
-
 def flower_env(flwr_home: Path | None = None, **extra: str) -> dict[str, str]:
     """The environment of every Flower process Postcard starts: this venv first, offline, no runtime
     installs, and the local SuperLink ports of its FLWR_HOME (``postcard.superlink.local_env``); FLWR_HOME
     is the checkout's ``.flwr`` unless set, so a checkout never reaches another one's local SuperLink."""
-    from postcard.superlink import local_env
-
     env = dict(os.environ)
     env.update({
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
@@ -274,17 +141,25 @@ class Node:
     home: Path
     log: Path
     node_config: str
+    ca_cert: Path | None = None
     proc: subprocess.Popen | None = None
 
 
 @dataclass
 class LoopbackCluster:
-    """A SuperLink (TLS + SuperNode authentication) and SuperNodes on 127.0.0.1, by pid.
+    """A SuperLink (TLS + SuperNode authentication) and SuperNodes on loopback, by pid.
 
-    ``folder`` receives everything: ``certs/``, ``keys/``, ``superlink/`` (the SuperLink's
-    working directory, database and ``FLWR_HOME``), ``cli/`` (the ``flwr`` CLI's
-    ``FLWR_HOME`` with the connection ``postcard-local``), ``node-<i>/`` (each SuperNode's
-    ``FLWR_HOME``) and ``logs/``. Use it as a context manager, or call :meth:`stop`.
+    The SuperLink runs as ``postcard.fleetgate`` (section 3.3 of docs/deploy.md): every API
+    (Control, Runtime, Fleet) on ``127.0.0.1:<port>`` — the operator's ``flwr`` CLI, the
+    connection ``postcard-local`` — and the Fleet API alone on ``127.0.0.2:<fleet_port>``,
+    the address the SuperNodes use (the server's public address in a real deployment).
+
+    ``folder`` receives everything: ``secrets/`` (``postcard.certs.layout_secrets``: one
+    folder per holder — ``ca/``, ``superlink/``, ``public/``, ``supernode-<i>/`` — and each
+    process is given only its own), ``superlink/`` (the SuperLink's working directory,
+    database and ``FLWR_HOME``), ``cli/`` (the ``flwr`` CLI's ``FLWR_HOME`` with the
+    connection ``postcard-local``), ``node-<i>/`` (each SuperNode's ``FLWR_HOME``) and
+    ``logs/``. Use it as a context manager, or call :meth:`stop`.
 
     ``supernode_nice``: the SuperNodes (and the ClientApp processes they start) run at this
     CPU niceness, so that on one machine the SuperLink keeps the CPU it would have on a
@@ -302,7 +177,9 @@ class LoopbackCluster:
     node_config: str = ""  # extra node-config entries for every node, e.g. "device='cpu'"
     supernode_nice: int = 10
     persistent: bool = True
-    port: int = 0
+    port: int = 0  # every API, on 127.0.0.1
+    fleet_port: int = 0  # the Fleet API alone, on fleet_host
+    fleet_host: str = FLEET_LOOPBACK
     superlink: subprocess.Popen | None = None
     members: list[Node] = field(default_factory=list)
     registered: dict[int, str] = field(default_factory=dict)  # node index -> SuperLink node id
@@ -311,14 +188,21 @@ class LoopbackCluster:
         self.folder = Path(self.folder).resolve()
         for name in ("superlink", "cli", "logs"):
             (self.folder / name).mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()
-        self.certs = make_certificates(self.folder / "certs", hosts=("localhost", LOOPBACK))
+        self.port = self.port or free_port(LOOPBACK)
+        self.fleet_port = self.fleet_port or free_port(self.fleet_host)
+        self.secrets = layout_secrets(self.folder / "secrets", self.nodes,
+                                      hosts=("localhost", LOOPBACK, self.fleet_host))
+        link = self.secrets["superlink"]
+        self.certs = {CA_CERT: link / CA_CERT, SERVER_CERT: link / SERVER_CERT, SERVER_KEY: link / SERVER_KEY}
+        self.ca_cert = self.secrets["public"] / CA_CERT  # what the CLI and anyone else gets
         self.cli_home = self.folder / "cli"
         self._write_connection()
-        for i, (key, pub) in enumerate(make_node_keys(self.folder / "keys", self.nodes)):
+        for i in range(self.nodes):
+            own = self.secrets[f"supernode-{i}"]
             config = f"partition-id={i} num-partitions={self.nodes} {self.node_config}".strip()
-            self.members.append(Node(i, key, pub, free_port(), self.folder / f"node-{i}",
-                                     self.folder / "logs" / f"supernode-{i}.log", config))
+            self.members.append(Node(i, own / f"supernode-{i}", self.secrets["public"] / f"supernode-{i}.pub",
+                                     free_port(), self.folder / f"node-{i}",
+                                     self.folder / "logs" / f"supernode-{i}.log", config, ca_cert=own / CA_CERT))
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> LoopbackCluster:
@@ -329,10 +213,18 @@ class LoopbackCluster:
 
     @property
     def address(self) -> str:
+        """The operator's address: every API (Control included), on 127.0.0.1 only."""
         return f"{LOOPBACK}:{self.port}"
 
+    control_address = address
+
+    @property
+    def fleet_address(self) -> str:
+        """The SuperNodes' address: the Fleet API alone."""
+        return f"{self.fleet_host}:{self.fleet_port}"
+
     def _write_connection(self) -> None:
-        write_connection(self.cli_home, self.address, self.certs[CA_CERT])
+        write_connection(self.cli_home, self.address, self.ca_cert)
 
     def start_superlink(self, wait: float = 60.0) -> None:
         """Start (or restart, same database and port) the SuperLink and wait for its port."""
@@ -341,7 +233,8 @@ class LoopbackCluster:
         home = self.folder / "superlink"
         log = open(self.folder / "logs" / "superlink.log", "a")
         cmd = [
-            executable("flower-superlink"),
+            sys.executable, "-m", "postcard.fleetgate",
+            "--fleet-host", self.fleet_host, "--fleet-port", str(self.fleet_port),
             "--ssl-ca-certfile", str(self.certs[CA_CERT]),
             "--ssl-certfile", str(self.certs[SERVER_CERT]),
             "--ssl-keyfile", str(self.certs[SERVER_KEY]),
@@ -355,6 +248,8 @@ class LoopbackCluster:
                                           start_new_session=True)
         log.close()
         self._wait_port(self.superlink, self.port, wait, self.folder / "logs" / "superlink.log")
+        self._wait_port(self.superlink, self.fleet_port, wait, self.folder / "logs" / "superlink.log",
+                        host=self.fleet_host)
 
     def register_nodes(self) -> dict[int, str]:
         """Register every node's public key (``flwr supernode register``); returns index -> node id."""
@@ -364,16 +259,17 @@ class LoopbackCluster:
                 self.registered[node.index] = ids[str(node.public_key)]
         return dict(self.registered)
 
-    def spawn_supernode(self, key: Path, port: int, node_config: str, home: Path, log: Path) -> subprocess.Popen:
-        """Start one ``flower-supernode`` (TLS, authenticated with ``key``); returns its process."""
+    def spawn_supernode(self, key: Path, port: int, node_config: str, home: Path, log: Path,
+                        ca_cert: Path | None = None) -> subprocess.Popen:
+        """Start one ``flower-supernode`` on the Fleet address (TLS, authenticated with ``key``)."""
         home.mkdir(parents=True, exist_ok=True)
         handle = open(log, "a")
         nice = shutil.which("nice") if self.supernode_nice else None  # coreutils; it execs, so the pid is the node's
         cmd = [
             *([nice, "-n", str(self.supernode_nice)] if nice else []),
             executable("flower-supernode"),
-            "--superlink", self.address,
-            "--root-certificates", str(self.certs[CA_CERT]),
+            "--superlink", self.fleet_address,
+            "--root-certificates", str(ca_cert or self.ca_cert),
             "--auth-supernode-private-key", str(key),
             "--node-config", node_config,
             "--host", LOOPBACK, "--port", str(port),
@@ -388,7 +284,7 @@ class LoopbackCluster:
         node = self.members[index]
         if node.proc is not None and node.proc.poll() is None:
             raise DeployError(f"SuperNode {index} is already running")
-        node.proc = self.spawn_supernode(node.key, node.port, node.node_config, node.home, node.log)
+        node.proc = self.spawn_supernode(node.key, node.port, node.node_config, node.home, node.log, node.ca_cert)
         self._wait_port(node.proc, node.port, wait, node.log)
         return node
 
@@ -513,13 +409,13 @@ class LoopbackCluster:
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _wait_port(proc: subprocess.Popen, port: int, timeout: float, log: Path) -> None:
+    def _wait_port(proc: subprocess.Popen, port: int, timeout: float, log: Path, host: str = LOOPBACK) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if proc.poll() is not None:
                 raise DeployError(f"process exited with code {proc.returncode} while starting; "
                                   f"last lines of {log}:\n{_tail(log)}")
-            if port_open(LOOPBACK, port):
+            if port_open(host, port):
                 return
             time.sleep(0.3)
         raise DeployError(f"port {port} did not open within {timeout:.0f} s; see {log}")
@@ -556,7 +452,8 @@ def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = 
     t0 = time.time()
     with LoopbackCluster(base, nodes=nodes, persistent=False) as cluster:  # one run, no SuperLink restart
         cluster.start()
-        print(f"[deploy] SuperLink {cluster.address} (TLS, SuperNode authentication) with {nodes} registered "
+        print(f"[deploy] SuperLink: the Fleet API alone on {cluster.fleet_address}, every API on {cluster.address} "
+              f"(TLS, SuperNode authentication) with {nodes} registered "
               f"SuperNodes online after {time.time() - t0:.0f} s", flush=True)
         print(f'[deploy] flwr run . {CONNECTION} --stream --run-config "{config}"', flush=True)
         proc = cluster.run(config, timeout=timeout, log_file=base / "logs" / "flwr-run.log")
@@ -581,6 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("node-keys", help="SuperNode authentication key pairs (OpenSSH EC P-384)")
     keys.add_argument("folder")
     keys.add_argument("--nodes", type=int, required=True)
+    keys.add_argument("--first", type=int, default=0, help="index of the first key (supernode-<first>)")
+    secrets = sub.add_parser("secrets", help="CA, SuperLink certificate and SuperNode keys, one folder per holder "
+                                             "(ca/, superlink/, public/, supernode-<i>/); existing ones are kept")
+    secrets.add_argument("folder")
+    secrets.add_argument("--nodes", type=int, required=True)
+    secrets.add_argument("--host", action="append", default=None,
+                         help="a name or IP the SuperLink is reached at (repeat; default localhost and 127.0.0.1)")
+    secrets.add_argument("--days", type=int, default=365)
     register = sub.add_parser("register", help="register SuperNode public keys with a SuperLink (idempotent)")
     register.add_argument("public_keys", nargs="+")
     register.add_argument("--superlink", required=True, help="host:port of the SuperLink")
@@ -604,8 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         paths = make_certificates(args.folder, hosts=args.host or ("localhost", LOOPBACK), days=args.days)
         print("\n".join(str(p) for p in paths.values()))
     elif args.command == "node-keys":
-        for private, public in make_node_keys(args.folder, args.nodes):
+        for private, public in make_node_keys(args.folder, args.nodes, first=args.first):
             print(f"{private}  {public}")
+    elif args.command == "secrets":
+        folders = layout_secrets(args.folder, args.nodes, hosts=args.host or ("localhost", LOOPBACK), days=args.days)
+        for name, folder in folders.items():
+            print(f"{name}: {' '.join(sorted(p.name for p in folder.iterdir()))}")
     elif args.command == "register":
         home = Path(tempfile.mkdtemp(prefix="postcard-register-"))
         try:

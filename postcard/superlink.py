@@ -25,6 +25,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from postcard.procs import kill_tree
+
 HTTP_PORT_VAR = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 CONTROL_PORT_VAR = "FLWR_LOCAL_CONTROL_API_PORT"
 PORT_BASE, PORT_PAIRS = 40000, 9000  # pairs (p, p+1) in 40000..57999: clear of Flower's 9091-9095 and 39091/39093
@@ -103,8 +105,6 @@ def check_free(env: Mapping[str, str]) -> None:
 
 def stop(flwr_home: str | Path) -> list[int]:
     """Kill every local SuperLink started for ``flwr_home`` and everything it started, children first."""
-    from postcard.deploy import kill_tree
-
     killed = []
     for pid in running(flwr_home):
         killed += kill_tree(pid, timeout=10)

@@ -120,3 +120,42 @@ def test_a_run_is_waited_for_until_flwr_list_says_it_finished(tmp_path, monkeypa
     monkeypatch.setattr(cluster, "cli", lambda args, timeout=120.0: '{"success": true, "runs": []}')
     with pytest.raises(deploy.DeployError, match="does not know run 7"):
         cluster.wait_run(7, timeout=1, poll=0.01)
+
+
+def test_rewriting_an_existing_key_file_leaves_it_readable_by_the_owner_only(tmp_path):
+    """O_CREAT's mode applies only to a file it creates: a key written over an existing 0644 file
+    kept 0644 (world-readable) until the mode was set on the descriptor (fchmod)."""
+    import os
+
+    certs, keys = tmp_path / "certs", tmp_path / "keys"
+    certs.mkdir()
+    keys.mkdir()
+    for path in (certs / "ca.key", certs / "server.key", keys / "supernode-0", certs / "ca.crt"):
+        path.write_text("old")
+        os.chmod(path, 0o644)
+    paths = deploy.make_certificates(certs)
+    (private, public), = deploy.make_node_keys(keys, 1)
+    for path in (paths["ca.key"], paths["server.key"], private):
+        assert path.stat().st_mode & 0o777 == 0o600, (path, oct(path.stat().st_mode))
+    assert paths["ca.crt"].stat().st_mode & 0o777 == 0o644 and public.stat().st_mode & 0o777 == 0o644
+    assert b"PRIVATE KEY" in private.read_bytes()
+
+
+def test_secrets_are_laid_out_one_folder_per_holder(tmp_path):
+    folders = deploy.layout_secrets(tmp_path, 2, hosts=("superlink", "127.0.0.1"))
+    files = {name: sorted(p.name for p in folder.iterdir()) for name, folder in folders.items()}
+    assert files == {"ca": ["ca.crt", "ca.key"], "superlink": ["ca.crt", "server.key", "server.pem"],
+                     "public": ["ca.crt", "supernode-0.pub", "supernode-1.pub"],
+                     "supernode-0": ["ca.crt", "supernode-0"], "supernode-1": ["ca.crt", "supernode-1"]}
+    for folder, name in (("ca", "ca.key"), ("superlink", "server.key"), ("supernode-0", "supernode-0")):
+        assert (tmp_path / folder / name).stat().st_mode & 0o777 == 0o600
+    # the key pairs match, and a second run keeps every certificate and key (registered keys stay valid)
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    key = load_ssh_private_key((tmp_path / "supernode-1" / "supernode-1").read_bytes(), password=None)
+    assert key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) \
+        == (tmp_path / "public" / "supernode-1.pub").read_bytes().strip()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    deploy.layout_secrets(tmp_path, 2, hosts=("superlink", "127.0.0.1"))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

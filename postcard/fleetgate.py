@@ -1,0 +1,159 @@
+"""``flower-superlink`` with its Fleet API alone on the public address.
+
+Flower 1.42's ``flower-superlink`` serves the Fleet API (SuperNodes), the Control API (the
+``flwr`` CLI: register node keys, list nodes and runs, submit and stop runs) and the
+Runtime API (SuperExec and the ServerApp) from one HTTPS listener, ``--host:--port``
+(``flwr/superlink/cli/flower_superlink.py``: one ``uvicorn.run``; ``--control-api-address``
+and ``--fleet-api-address`` are deprecated and only move the legacy gRPC servers, which the
+1.42 SuperNode no longer speaks). The Control API has no authentication of its own outside
+Flower's enterprise edition (``FLWR_OIDC_ENABLED`` exits with "OIDC account authentication
+is unavailable in this Flower distribution"; the default is ``NoOpControlAuthnPlugin``), and
+TLS does not ask clients for a certificate. So whoever reaches that port with the public
+``ca.crt`` can register a node key, list, and submit runs: SuperNode authentication guards
+the Fleet API only.
+
+This module runs the very same SuperLink — Flower's own argument parsing, FastAPI app,
+lifespan (SuperExec, database) and TLS — on two listeners of one server:
+
+* ``--host`` / ``--port`` (must be a loopback address, e.g. ``127.0.0.1:9093``): every API.
+  The operator's ``flwr`` CLI reaches it on the server itself or through an SSH tunnel;
+  SuperExec and the ServerApp reach the Runtime API there.
+* ``--fleet-host`` / ``--fleet-port`` (e.g. ``0.0.0.0:9092``): the Fleet API's routes only
+  (``/v1/fleet/...``, exactly the paths of Flower's Fleet router); any other path, method
+  path or protocol on that listener gets ``404`` before it reaches Flower.
+
+A request is let through to every API only when it arrived on the loopback listener's port
+(fail closed: an unknown local address counts as public).
+
+    python -m postcard.fleetgate --fleet-host 0.0.0.0 --fleet-port 9092 \\
+        --host 127.0.0.1 --port 9093 <every other flower-superlink argument>
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+
+FLEET_PREFIX = "/v1/fleet/"
+
+
+def fleet_paths() -> frozenset[str]:
+    """The paths of Flower's Fleet HTTP router (what a SuperNode calls)."""
+    from flwr.superlink.routers.fleet.router import router
+
+    paths = frozenset(route.path for route in router.routes)
+    assert paths and all(p.startswith(FLEET_PREFIX) for p in paths), paths
+    return paths
+
+
+class FleetOnly:
+    """ASGI middleware: on any listener but the loopback one, only the Fleet routes pass."""
+
+    def __init__(self, app, private_port: int, allowed: frozenset[str] | None = None) -> None:
+        self.app = app
+        self.private_port = int(private_port)
+        self.allowed = fleet_paths() if allowed is None else allowed
+
+    def private(self, scope) -> bool:
+        server = scope.get("server")
+        return bool(server) and server[1] == self.private_port
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan" or self.private(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http" and scope.get("path") in self.allowed and scope.get("method") == "POST":
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+            await send({"type": "http.response.body", "body": b"Not Found: only the Fleet API is served here\n"})
+        else:  # websockets and anything else
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m postcard.fleetgate", add_help=False,
+        description="flower-superlink with the Fleet API alone on --fleet-host:--fleet-port; every other "
+                    "argument is flower-superlink's (--host/--port: the loopback listener of every API)")
+    parser.add_argument("--fleet-host", required=True, help="address of the Fleet API listener, e.g. 0.0.0.0")
+    parser.add_argument("--fleet-port", type=int, required=True, help="port of the Fleet API listener, e.g. 9092")
+    return parser
+
+
+def split_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace, list[str]]:
+    """(our arguments, flower-superlink's parsed arguments, flower-superlink's argv)."""
+    from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
+
+    ours, rest = build_parser().parse_known_args(argv)
+    flower = _parse_args_run_superlink().parse_args(rest)  # exits on an argument Flower does not know
+    if not is_loopback(flower.host):
+        raise SystemExit(f"--host {flower.host}: the listener of every API (Control, Runtime) must be a loopback "
+                         "address (127.0.0.1); put the public address in --fleet-host")
+    if flower.insecure or not (flower.ssl_certfile and flower.ssl_keyfile and flower.ssl_ca_certfile):
+        raise SystemExit("the Fleet listener needs TLS: give --ssl-ca-certfile, --ssl-certfile and --ssl-keyfile")
+    if not flower.enable_supernode_auth:
+        raise SystemExit("give --enable-supernode-auth: the Fleet API is the public one")
+    if ours.fleet_port == flower.port:
+        raise SystemExit("--fleet-port must differ from --port (the port tells the two listeners apart)")
+    return ours, flower, rest
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        print("\nflower-superlink's arguments:")
+        from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
+
+        _parse_args_run_superlink().print_help()
+        return 0
+    ours, _, rest = split_args(argv)
+
+    import importlib
+
+    import uvicorn
+    from flwr.superlink.main import create_app
+    from flwr.supercore.http_logging import get_uvicorn_log_config
+    from flwr.supercore.logger import console_handler
+
+    fsl = importlib.import_module("flwr.superlink.cli.flower_superlink")  # the module (the package exports a function)
+    sys.argv = ["flower-superlink", *rest]  # Flower's config parser reads sys.argv (and logs its warnings)
+    config = fsl._parse_superlink_lifespan_config()
+    app = FleetOnly(create_app(config, fsl.SuperLinkLifespan), private_port=config.port)
+    sockets = [_listen(config.host, config.port), _listen(ours.fleet_host, ours.fleet_port)]
+    print(f"[fleetgate] every API on https://{config.host}:{config.port} (loopback); "
+          f"the Fleet API alone on https://{ours.fleet_host}:{ours.fleet_port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(
+        app=app, host=config.host, port=config.port, reload=False, access_log=True,
+        log_config=get_uvicorn_log_config(console_handler.level),
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, workers=1, lifespan="on",
+    ))
+    server.run(sockets=sockets)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
