@@ -87,3 +87,66 @@ def test_image_task_partitions_cifar10_by_dirichlet_label_skew():
     assert np.mean(dominant) > 0.3  # strong label skew at alpha=0.1
     batch = tasks[0].collate(tasks[0].train_idx[:5])
     assert batch["x"].shape == (5, 3, 64, 64) and batch["y"].shape == (5,)
+
+
+# --------------------------------------------------------------------------- special tokens (BOS/EOS)
+def word_tokenizer(template: str = "<s> $A"):
+    """A tiny word-level tokenizer built here (no download) whose post-processor adds ``<s>`` (a BOS,
+    as Gemma's and Llama's do) or whatever ``template`` says."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the of and to I you a my is in that not it be me with your this his for what but so "
+             "HAMLET MACBETH Question Answer A B C D . , : ? !").split()
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *dict.fromkeys(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 1), ("</s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def test_special_affixes_follow_the_tokenizer(tiny):
+    from clients.tasks.text import special_affixes
+
+    _, smollm2 = tiny
+    assert special_affixes(smollm2) == ([], [])  # SmolLM2 adds none: its data are unchanged
+    assert special_affixes(word_tokenizer()) == ([1], [])
+    assert special_affixes(word_tokenizer("<s> $A </s>")) == ([1], [2])
+
+
+def test_shakespeare_windows_start_with_the_bos_a_tokenizer_adds():
+    """A tokenizer that adds a BOS (Gemma-3: perplexity 7-66x higher without it) gets one at the start of
+    every window, never as a label; the rest of the window is the play's text, in order."""
+    from clients.tasks.text import play_tokens
+
+    tok = word_tokenizer()
+    cfg = compose(preset="test")
+    task = make_task(cfg, 0, 2, tok)
+    assert task.windows.shape[1] == cfg.train.seq_len + 1
+    assert bool((task.windows[:, 0] == 1).all())
+    assert not bool((task.windows[:, 1:] == 1).any())
+    batch = task.collate(task.train_idx[:4])
+    assert bool((batch["input_ids"][:, 0] == 1).all()) and not bool((batch["labels"] == 1).any())
+    body = play_tokens("hamlet", tok.name_or_path + str(len(tok)), tok)  # the play's text, no special tokens
+    rows = {tuple(body[k * 32 : (k + 1) * 32].tolist()) for k in range(len(body) // 32)}
+    assert all(tuple(w[1:].tolist()) in rows for w in task.windows[task.train_idx][:20])
+    mmlu = make_task(compose(task="mmlu", preset="test"), 0, 5, tok)  # MMLU prompts start with it too
+    assert bool((mmlu.collate(mmlu.test_idx[:3])["input_ids"][:, 0] == 1).all())
+
+
+def test_smollm2_windows_are_the_plain_token_stream(tiny):
+    """No special tokens for SmolLM2: every window is a cut of the play's tokens (the demo's numbers
+    stay as they were)."""
+    from clients.tasks.text import play_tokens
+
+    _, tok = tiny
+    cfg = compose(preset="test")
+    task = make_task(cfg, 0, 2, tok)
+    window = cfg.train.seq_len + 1
+    rows = set()
+    for play in ("hamlet", "the-tempest"):
+        body = play_tokens(play, tok.name_or_path + str(len(tok)), tok)
+        rows |= {tuple(body[k * window : (k + 1) * window].tolist()) for k in range(len(body) // window)}
+    mine = np.concatenate([task.train_idx, task.test_idx])
+    assert all(tuple(w.tolist()) in rows for w in task.windows[mine])

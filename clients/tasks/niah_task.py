@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from clients.partition import partition_for
 from clients.tasks.base import Task, TaskError
 from clients.tasks.niah import TEMPLATES, split_example
-from clients.tasks.text import LETTERS, MMLUTask, letter_token_ids
+from clients.tasks.text import LETTERS, MMLUTask, letter_token_ids, special_affixes
 
 # seed offsets of the three splits (examples are seeded by (template, seed, index))
 SPLIT_SEEDS = {"train": 0, "test": 1_000_003, "long": 2_000_003}
@@ -74,6 +74,7 @@ class NIAHTask(MMLUTask):
         self.seed = int(cfg.seed)
         self.tokenizer = tokenizer
         self.letter_ids = torch.tensor(letter_token_ids(tokenizer))
+        self.prefix = special_affixes(tokenizer)[0]  # a BOS, for tokenizers that add one
 
         # Pools of (split, template, index); test/long pools interleave templates so a
         # client that evaluates only its first batches still sees every template and length.
@@ -128,7 +129,7 @@ class NIAHTask(MMLUTask):
         index = int(index)
         if index not in self._cache:
             ex = self.example(index)
-            ids = self.tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+            ids = self.prefix + self.tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
             self._cache[index] = (ids, LETTERS.index(ex["answer_letter"]), int(ex["length_tokens"]))
         return self._cache[index]
 

