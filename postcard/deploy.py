@@ -19,6 +19,7 @@ Command line (``make deploy-local`` calls the last one)::
     python -m postcard.deploy node-keys DIR --nodes 3 [--first 0]
     python -m postcard.deploy secrets DIR --nodes 3 [--host ...]   # ca/ superlink/ public/ supernode-<i>/
     python -m postcard.deploy register KEY.pub... --superlink HOST:PORT --root-certificates ca.crt
+    python -m postcard.deploy flwr --superlink HOST:PORT --root-certificates ca.crt -- ls postcard
     python -m postcard.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep]
 """
 
@@ -491,6 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
     register.add_argument("--superlink", required=True, help="host:port of the SuperLink")
     register.add_argument("--root-certificates", required=True, help="the CA certificate (ca.crt)")
     register.add_argument("--retry-for", type=float, default=120.0, help="seconds to retry while it starts")
+    cli = sub.add_parser("flwr", help="the flwr CLI with one connection `postcard` to --superlink (the operator's "
+                                      "Control API address), e.g. in the SuperLink container's network namespace")
+    cli.add_argument("--superlink", required=True, help="host:port of the Control API (127.0.0.1:9093)")
+    cli.add_argument("--root-certificates", required=True, help="the CA certificate (ca.crt)")
+    cli.add_argument("flwr_args", nargs=argparse.REMAINDER, help="-- then the flwr arguments (connection: postcard)")
     local = sub.add_parser("local", help="a loopback cluster with TLS and node auth, one `flwr run`, then stop")
     local.add_argument("--nodes", type=int, default=3)
     local.add_argument("--run-config", default=None,
@@ -521,6 +527,14 @@ def main(argv: list[str] | None = None) -> int:
             write_connection(home, args.superlink, args.root_certificates)
             for key, node_id in register_keys(home, args.public_keys, retry_for=args.retry_for).items():
                 print(f"{key}: {node_id}")
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+    elif args.command == "flwr":
+        home = Path(tempfile.mkdtemp(prefix="postcard-flwr-"))
+        try:
+            write_connection(home, args.superlink, args.root_certificates, name="postcard")
+            flwr_args = args.flwr_args[1:] if args.flwr_args[:1] == ["--"] else args.flwr_args
+            return subprocess.call([executable("flwr"), *flwr_args], env=flower_env(home))
         finally:
             shutil.rmtree(home, ignore_errors=True)
     else:

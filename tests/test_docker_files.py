@@ -4,7 +4,9 @@ Nothing here builds an image: the checks are what can be verified without one â€
 tags against the pinned versions, entrypoints against installed console scripts, every
 SuperLink/SuperNode argument parsed by Flower's own argument parsers, ports, certificate
 and key paths, partitions, volumes, COPY sources and the pyproject rewrite of the install
-script.
+script â€” and who holds which secret: the ``secrets`` service's layout is made for real
+(``postcard.deploy secrets``) and each service's mounts are resolved to the files it would
+see (each SuperNode: ca.crt and its own key; the SuperLink: its TLS files; nobody: ca.key).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from postcard import deploy
+from postcard import deploy, fleetgate
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -92,13 +94,6 @@ def interpolate(text: str, env: dict[str, str] | None = None) -> str:
     return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), text)
 
 
-def superlink_parser():
-    # Flower's own parser of `flower-superlink` (private, but the flwr version is pinned)
-    from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
-
-    return _parse_args_run_superlink()
-
-
 def supernode_parser():
     from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
 
@@ -111,6 +106,16 @@ def parse_exactly(parser, argv: list[str]):
         return parser.parse_args(argv)
     except SystemExit as err:
         pytest.fail(f"{parser.prog} refuses {argv}: exit {err.code}")
+
+
+def parse_superlink(argv: list[str]):
+    """(fleet listener, flower-superlink arguments) as ``python -m postcard.fleetgate`` parses and checks them
+    (Flower's own parser for everything but --fleet-host/--fleet-port; refuses a non-loopback --host)."""
+    try:
+        ours, flower, _ = fleetgate.split_args([str(a) for a in argv])
+    except SystemExit as err:
+        pytest.fail(f"postcard.fleetgate refuses {argv}: {err.code}")
+    return ours, flower
 
 
 # ---------------------------------------------------------------------------- base images
@@ -136,9 +141,12 @@ def test_images_are_built_on_pinned_official_flower_images(name):
 def test_entrypoints_are_installed_flower_console_scripts(name):
     steps = instructions(DOCKERFILES[name])
     entry = exec_form(next(rest for word, rest in steps if word == "ENTRYPOINT"))
-    expected = "flower-superlink" if name == "superlink" else "flower-supernode"
-    assert entry == [expected]
-    assert shutil.which(expected, path=str(Path(sys.executable).parent)), f"{expected} is not installed"
+    if name == "superlink":  # Flower's SuperLink behind the Fleet-only public listener
+        assert entry == ["python", "-m", "postcard.fleetgate"]
+        assert (ROOT / "postcard" / "fleetgate.py").is_file()
+        return
+    assert entry == ["flower-supernode"]
+    assert shutil.which("flower-supernode", path=str(Path(sys.executable).parent)), "flower-supernode is not installed"
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
@@ -172,9 +180,11 @@ def test_cpu_images_take_cpu_torch_and_the_cuda_image_takes_cuda_torch():
 def test_the_superlink_default_command_parses_and_matches_its_exposed_port():
     steps = instructions(DOCKERFILES["superlink"])
     cmd = exec_form(next(rest for word, rest in steps if word == "CMD"))
-    args = parse_exactly(superlink_parser(), cmd)
+    fleet, args = parse_superlink(cmd)
     exposed = {int(rest) for word, rest in steps if word == "EXPOSE"}
-    assert exposed == {args.port} and args.host == "0.0.0.0"
+    # only the Fleet listener is exposed; every API (Control, Runtime) stays on the container's loopback
+    assert exposed == {fleet.fleet_port} and fleet.fleet_host == "0.0.0.0"
+    assert args.host == "127.0.0.1" and args.port != fleet.fleet_port
     assert args.enable_supernode_auth and not args.insecure
     assert args.ssl_ca_certfile == "/app/certificates/" + deploy.CA_CERT
     assert args.ssl_certfile == "/app/certificates/" + deploy.SERVER_CERT
@@ -225,15 +235,15 @@ def test_compose_builds_each_image_from_its_dockerfile():
                     "postcard/supernode-cuda:0.1.0": {"docker/Dockerfile.supernode-cuda"}}
 
 
-def test_compose_superlink_uses_tls_auth_and_the_published_port():
+def test_compose_superlink_uses_tls_auth_and_publishes_the_fleet_port_only():
     superlink = services()["superlink"]
-    args = parse_exactly(superlink_parser(), [str(a) for a in superlink["command"]])
-    assert args.enable_supernode_auth and not args.insecure and args.host == "0.0.0.0"
-    assert superlink["ports"] == [f"{args.port}:{args.port}"]
-    mounts = {v.split(":")[1]: v.split(":")[0] for v in superlink["volumes"]}
+    fleet, args = parse_superlink(superlink["command"])
+    assert args.enable_supernode_auth and not args.insecure and args.host == "127.0.0.1"
+    assert superlink["ports"] == [f"{fleet.fleet_port}:{fleet.fleet_port}"]
+    targets = {target for _, target, _ in mounts(superlink)}
     for path in (args.ssl_ca_certfile, args.ssl_certfile, args.ssl_keyfile):
-        assert str(Path(path).parent) in mounts
-    assert str(Path(args.database).parent) in mounts and "/app/outputs" in mounts
+        assert str(Path(path).parent) in targets
+    assert str(Path(args.database).parent) in targets and "/app/outputs" in targets
 
 
 def supernodes(env=None) -> dict[str, object]:
@@ -250,38 +260,117 @@ def node_config(args) -> dict:
     return parse_config_args([args.node_config])
 
 
-def test_compose_supernodes_reach_the_superlink_with_tls_and_their_own_key():
-    port = parse_exactly(superlink_parser(), [str(a) for a in services()["superlink"]["command"]]).port
+def test_compose_supernodes_reach_the_fleet_listener_with_tls_and_their_own_key():
+    fleet, control = parse_superlink(services()["superlink"]["command"])
     nodes = supernodes()
     assert len(nodes) == 3
     keys = [a.auth_supernode_private_key for a in nodes.values()]
     assert len(set(keys)) == len(keys)
     for name, args in nodes.items():
-        assert args.superlink == f"superlink:{port}" and not args.insecure
-        assert args.root_certificates == "/app/certificates/" + deploy.CA_CERT
-        mounts = {v.split(":")[1] for v in services()[name]["volumes"]}
-        assert {"/app/certificates", "/app/keys"} <= mounts
+        assert args.superlink == f"superlink:{fleet.fleet_port}" and not args.insecure
         assert services()[name]["depends_on"]["register"]["condition"] == "service_completed_successfully"
-    # the keys are those the secrets service makes (postcard.deploy naming) and the register service registers
-    secrets = services()["secrets"]["command"][0]
-    count = int(re.search(r"node-keys /app/keys --nodes (\d+)", secrets).group(1))
-    made = {f"/app/keys/supernode-{i}" for i in range(count)}
-    assert set(keys) <= made
-    register = [str(a) for a in services()["register"]["command"]]
-    assert {k + ".pub" for k in keys} <= set(register)
-    assert register[register.index("--superlink") + 1] == f"superlink:{port}"
-    assert "--host superlink" in secrets  # the certificate names the SuperLink as the nodes reach it
+    # the keys are those the secrets service makes and the register service registers, on the Control API
+    # of the SuperLink's own loopback (the register service shares its network namespace)
+    secrets = secrets_args()
+    assert {Path(k).name for k in keys} <= {f"supernode-{i}" for i in range(secrets.nodes)}
+    register = services()["register"]
+    argv = [str(a) for a in register["command"]]
+    assert {Path(k).name + ".pub" for k in keys} <= {Path(a).name for a in argv if a.endswith(".pub")}
+    assert register["network_mode"] == "service:superlink"
+    assert argv[argv.index("--superlink") + 1] == f"127.0.0.1:{control.port}"
+    assert "superlink" in secrets.host  # the certificate names the SuperLink as the nodes reach it
+    assert "127.0.0.1" in secrets.host  # ... and as the register service and the operator reach it
 
 
-def test_compose_register_service_runs_the_deploy_cli():
+def test_compose_one_shot_services_and_the_operator_cli_run_the_deploy_cli():
     register = services()["register"]
     assert register["entrypoint"] == ["python", "-m", "postcard.deploy", "register"]
     args = deploy.build_parser().parse_args(["register", *[str(a) for a in register["command"]]])
-    assert args.root_certificates == "/app/certificates/" + deploy.CA_CERT
-    secrets = services()["secrets"]
-    assert secrets["entrypoint"] == ["/bin/sh", "-c"]
-    for line in re.findall(r"python -m postcard\.deploy ([^;]+)", secrets["command"][0]):
-        deploy.build_parser().parse_args(shlex.split(line))  # the one-shot commands parse
+    assert Path(args.root_certificates).name == deploy.CA_CERT
+    secrets_args()  # parses
+    cli = services()["cli"]
+    assert cli["profiles"] == ["cli"] and cli["network_mode"] == "service:superlink"
+    _, control = parse_superlink(services()["superlink"]["command"])
+    entry = [str(a) for a in cli["entrypoint"]]
+    assert entry[:3] == ["python", "-m", "postcard.deploy"]
+    args = deploy.build_parser().parse_args([*entry[3:], *[str(a) for a in cli["command"]]])
+    assert args.command == "flwr" and args.superlink == f"127.0.0.1:{control.port}"
+    assert args.flwr_args == ["--", "ls", "postcard"]
+
+
+# ---------------------------------------------------------------------------- who holds which secret
+SECRET_VOLUMES_ROOT = "/app/secrets"
+
+
+def secrets_args():
+    service = services()["secrets"]
+    entry = [str(a) for a in service["entrypoint"]]
+    assert entry[:3] == ["python", "-m", "postcard.deploy"]
+    args = deploy.build_parser().parse_args([*entry[3:], *[str(a) for a in service["command"]]])
+    assert args.command == "secrets" and args.folder == SECRET_VOLUMES_ROOT
+    return args
+
+
+def mounts(service: dict) -> list[tuple[str, str, bool]]:
+    """(source, target, read-only) of each volume of a service."""
+    out = []
+    for volume in service.get("volumes", []):
+        parts = volume.split("#")[0].strip().split(":")
+        out.append((parts[0], parts[1], parts[2:] == ["ro"]))
+    return out
+
+
+def visible_secrets(tmp_path) -> tuple[dict[str, dict[str, bytes]], dict[str, set[str]]]:
+    """Lay the secrets out as the ``secrets`` service does; return, per other service, the files it
+    sees ({path in its container: content}), and per secret volume, the files in it."""
+    args = secrets_args()
+    folders = deploy.layout_secrets(tmp_path, args.nodes, hosts=args.host)
+    volume_dir = {}  # named volume -> the folder the secrets service writes it as
+    for source, target, _ in mounts(services()["secrets"]):
+        assert target.startswith(SECRET_VOLUMES_ROOT + "/"), target
+        volume_dir[source] = tmp_path / Path(target).relative_to(SECRET_VOLUMES_ROOT)
+    assert set(volume_dir.values()) == set(folders.values()), "every folder the layout makes is a volume"
+    seen = {}
+    for name, service in services().items():
+        if name == "secrets":
+            continue
+        files = {}
+        for source, target, read_only in mounts(service):
+            if source in volume_dir:
+                assert read_only, f"{name} mounts the secret volume {source} writable"
+                for path in volume_dir[source].iterdir():
+                    files[f"{target}/{path.name}"] = path.read_bytes()
+        seen[name] = files
+    return seen, {v: {p.name for p in d.iterdir()} for v, d in volume_dir.items()}
+
+
+def test_each_container_gets_only_its_own_secrets(tmp_path):
+    seen, volumes = visible_secrets(tmp_path)
+    names = {name: {Path(p).name for p in files} for name, files in seen.items()}
+    # the CA's key goes into one volume, and only the one-shot `secrets` service mounts it
+    assert [v for v, files in volumes.items() if deploy.CA_KEY in files] == ["ca"]
+    assert not any(deploy.CA_KEY in files for files in names.values())
+    # the SuperLink: its certificate and key, and ca.crt
+    assert names["superlink"] == {deploy.CA_CERT, deploy.SERVER_CERT, deploy.SERVER_KEY}
+    _, link = parse_superlink(services()["superlink"]["command"])
+    for path in (link.ssl_ca_certfile, link.ssl_certfile, link.ssl_keyfile):
+        assert path in seen["superlink"], path
+    # each SuperNode: ca.crt and its own private key, nothing else (no server key, no other node's key)
+    nodes = supernodes({"POSTCARD_PARTITIONS": "3"})
+    assert len(nodes) == 3
+    for name, args in nodes.items():
+        own = Path(args.auth_supernode_private_key).name
+        assert names[name] == {deploy.CA_CERT, own}, (name, names[name])
+        assert args.auth_supernode_private_key in seen[name] and args.root_certificates in seen[name]
+        assert b"PRIVATE KEY" in seen[name][args.auth_supernode_private_key]
+    # the register service and the operator's CLI: public material only
+    for name in ("register", "cli"):
+        assert names[name] and all(n == deploy.CA_CERT or n.endswith(".pub") for n in names[name]), names[name]
+        assert not any(b"PRIVATE KEY" in content for content in seen[name].values())
+    args = deploy.build_parser().parse_args(["register", *[str(a) for a in services()["register"]["command"]]])
+    assert set(args.public_keys) <= set(seen["register"]) and args.root_certificates in seen["register"]
+    # no service but these holds a secret volume
+    assert {n for n, files in seen.items() if files} == {"superlink", "register", "cli", *nodes}
 
 
 @pytest.mark.parametrize("env", [{}, {"POSTCARD_PARTITIONS": "3"}])
@@ -306,8 +395,7 @@ def test_compose_gpu_node_reserves_nvidia_gpus():
 def test_compose_volumes_are_declared():
     declared = set(compose()["volumes"])
     for service in services().values():
-        for volume in service.get("volumes", []):
-            source = volume.split(":")[0]
+        for source, _, _ in mounts(service):
             assert source in declared, source
 
 
