@@ -205,6 +205,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
                           "(no package ships ResNet-18-GN weights), or model.pretrained=false base=public to "
                           "pretrain it from a random init on the task's public split")
     _check_base(cfg)
+    _check_text_task(cfg)
     allowed = cfg.algorithm.get("models")
     if allowed and kind not in allowed:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' runs on {' or '.join(map(str, allowed))} models, but "
@@ -255,6 +256,48 @@ def _check_base(cfg: DictConfig) -> None:
             raise ConfigError(f"base.{key} must be an integer >= 1, got {value!r}")
     if not isinstance(cfg.base.get("lr"), (int, float)) or cfg.base.lr <= 0:
         raise ConfigError(f"base.lr must be a number > 0, got {cfg.base.get('lr')!r}")
+
+
+def _check_text_task(cfg: DictConfig) -> None:
+    """``kind: text`` (``task=text``, ``task=instructions``: clients.tasks.local): the settings, and that
+    ``task.path`` names data, before any client starts (its fields are checked when a client reads it)."""
+    task = cfg.task
+    if task.kind != "text":
+        return
+    from clients.tasks.base import TaskError
+    from clients.tasks.local import FORMATS, METRICS, SAMPLE_BY, data_files
+
+    if cfg.model.kind != "causal_lm":
+        raise ConfigError(f"task '{task.name}' needs a causal LM, but model '{cfg.model.name}' is {cfg.model.kind}")
+    instructions = task.get("prompt") is not None
+    if instructions != (task.get("response") is not None):
+        raise ConfigError("instruction data need both task.prompt and task.response (templates over the row's "
+                          "fields, e.g. task.prompt='{question}' task.response=' {answer}'); plain text: neither")
+    if task.get("metric") not in METRICS:
+        raise ConfigError(f"task.metric must be one of {', '.join(METRICS)}, got {task.get('metric')!r}")
+    if task.metric == "accuracy" and not instructions:
+        raise ConfigError("task.metric=accuracy scores responses: set task.prompt and task.response "
+                          "(task=instructions), or use task.metric=perplexity")
+    if task.get("chat") and not instructions:
+        raise ConfigError("task.chat=true renders prompt and response through the chat template: set task.prompt "
+                          "and task.response")
+    if not instructions and not task.get("text"):
+        raise ConfigError("task.text must be a template over the row's fields, e.g. '{text}'")
+    for key, choices_ in (("format", FORMATS), ("sample_by", SAMPLE_BY)):
+        if task.get(key) not in choices_:
+            raise ConfigError(f"task.{key} must be one of {', '.join(choices_)}, got {task.get(key)!r}")
+    fraction = task.get("test_fraction")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError(f"task.test_fraction must be a number in (0, 1), got {fraction!r}")
+    for key, low in (("max_length", 2), ("max_examples", 2), ("default_clients", 1)):
+        value = task.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ConfigError(f"task.{key} must be {'null or ' if key != 'default_clients' else ''}an integer "
+                              f">= {low}, got {value!r}")
+    try:
+        data_files(task.get("path"), str(task.format))
+    except TaskError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_partition(partition) -> None:

@@ -148,7 +148,8 @@ def _chunk_loss(head, hidden, labels, reduction="sum"):
 
 def token_loss(model, input_ids, labels, *, chunk_tokens: int = 256, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross-entropy of ``labels`` (``[batch, tokens]``) over the full vocabulary,
-    ``mean``, ``sum`` or ``none`` (each token's, shaped like ``labels``); with
+    ``mean``, ``sum`` or ``none`` (each token's, shaped like ``labels``); labels of -100 (padding, a
+    prompt masked out of the loss) are not scored (0 under ``none``, out of the mean's count); with
     ``chunk_tokens > 0`` the output layer and the loss run on that many tokens at a time (their
     logits recomputed in backward), else on all logits at once."""
     if reduction not in ("mean", "sum", "none"):
@@ -171,4 +172,7 @@ def token_loss(model, input_ids, labels, *, chunk_tokens: int = 256, reduction: 
     if reduction == "none":
         return torch.cat(parts).view(labels.shape)
     total = torch.stack(parts).sum()
-    return total / flat.numel() if reduction == "mean" else total
+    if reduction == "sum":
+        return total
+    scored = flat.numel() if bool((flat >= 0).all()) else int((flat != -100).sum())  # labels -100: unscored
+    return total / max(1, scored)

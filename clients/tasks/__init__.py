@@ -15,6 +15,10 @@ def make_task(cfg, partition_id: int, num_partitions: int, tokenizer=None) -> Ta
         from clients.tasks.text import MMLUTask
 
         return MMLUTask(cfg, partition_id, num_partitions, tokenizer)
+    if kind == "text":
+        from clients.tasks.local import LocalTextTask
+
+        return LocalTextTask(cfg, partition_id, num_partitions, tokenizer)
     if kind == "niah":
         from clients.tasks.niah_task import NIAHTask
 
