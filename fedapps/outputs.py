@@ -128,7 +128,7 @@ class RunDir:
         summary["run_dir"] = str(self.path)
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         try:
-            plot_run(history, self.metric, self.path)
+            plot_run(history, self.metric, self.path, run_title(self.cfg))
         except Exception as err:  # a plot must never lose the run's results
             log(INFO, "plots skipped: %s", err)
         log(INFO, "Final %s: %s (round 0: %s); uplink %s bytes per client per round",  # full precision: summary.json
@@ -203,26 +203,49 @@ def summarize(cfg, history: list[dict]) -> dict:
     }
 
 
-def plot_run(history: list[dict], metric: str, folder: Path) -> None:
-    """metric vs round and metric vs cumulative uplink bytes per client (as comparison.png)."""
+def run_title(cfg) -> str:
+    """A run's identity for its plots: ``algorithm · model · task`` (+ the partition when not natural)."""
+    parts = [str(cfg.algorithm.name), str(cfg.model.name), str(cfg.task.name)]
+    partition = str(OmegaConf.select(cfg, "partition.name") or "natural")
+    return " · ".join(parts + ([f"partition={partition}"] if partition != "natural" else []))
+
+
+def run_figure(history: list[dict], metric: str, title: str = ""):
+    """The figure of ``metrics.png`` (None without an evaluated round): metric vs round (integer
+    ticks) and metric vs cumulative uplink bytes per client, under the run's ``title``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     curve = bytes_curve(history, metric)
     if not curve:
-        return
+        return None
     rounds, values, cumulative = zip(*curve)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].plot(rounds, values, marker="o")
     axes[0].set(xlabel="round", ylabel=metric, title=f"{metric} vs round")
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no 0.5 ticks
     axes[1].plot(cumulative, values, marker="o")
     axes[1].set(xlabel="cumulative uplink bytes per client", ylabel=metric, title=f"{metric} vs bytes sent")
     axes[1].set_xscale("symlog")
     for ax in axes:
         ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_run(history: list[dict], metric: str, folder: Path, title: str = "") -> None:
+    """metric vs round and metric vs cumulative uplink bytes per client (as comparison.png), titled
+    with the run's identity (:func:`run_title`), in ``folder/metrics.png``."""
+    import matplotlib.pyplot as plt
+
+    fig = run_figure(history, metric, title)
+    if fig is None:
+        return
     fig.savefig(folder / "metrics.png", dpi=120)
     plt.close(fig)
 

@@ -174,3 +174,26 @@ def test_postcard_generate_evaluate_export_refuse_a_folder_without_a_final_model
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "error": "ConfigError: rounds=0"}))
     assert main(["generate", str(tmp_path), "To be"]) == 2
     assert "holds no final model: the run is failed (ConfigError: rounds=0)" in capsys.readouterr().err
+
+
+def test_metrics_png_has_integer_round_ticks_and_the_runs_identity_in_its_title(tmp_path):
+    """Two rounds used to get ticks at 0, 0.25, ..., 2; the title says which run the plot is of."""
+    import matplotlib.pyplot as plt
+
+    from fedapps.config import compose
+    from fedapps.outputs import RunDir, read_metrics, run_figure, run_title
+
+    cfg = compose([f"output_dir={tmp_path}", "run_name=plotted"], algorithm="flite", preset="test")
+    assert run_title(cfg) == "flite · tiny-llama · shakespeare"
+    assert run_title(compose(["partition=iid"], preset="test")) == "fedavg-lora · tiny-llama · shakespeare · partition=iid"
+    out = RunDir(cfg)
+    for r, value in enumerate((70.0, 60.0, 55.0)):
+        out.write_round({"round": r, "eval": {"perplexity": value}, "seconds": 1.0, "refused": [], "missing": [],
+                         "bounded": [], "clients": [{"node_id": 1, "uplink_payload_bytes": 648}] if r else []})
+    out.finish(read_metrics(out.path))
+    assert (out.path / "metrics.png").stat().st_size > 0
+    fig = run_figure(read_metrics(out.path), "perplexity", run_title(cfg))
+    ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
+    assert ticks == [0, 1, 2]
+    assert fig._suptitle.get_text() == "flite · tiny-llama · shakespeare"
+    plt.close(fig)
