@@ -227,6 +227,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     _check_smartfed(cfg)
     _check_fednl_memory(cfg)
     _check_flite(cfg)
+    _check_flite_budget(cfg)
     _check_secure(cfg)
     _check_privacy(cfg)
     _check_simulation(cfg.get("simulation") or {})
@@ -411,6 +412,70 @@ def _check_flite(cfg: DictConfig) -> None:
                           "public split: it needs base=public (a vision task with task.public_fraction > 0)")
     if config.sensitivity is not None:
         raise ConfigError("algorithm.flite.sensitivity is measured (split=sensitivity with base=public), not set")
+
+
+@functools.lru_cache(maxsize=16)
+def _flite_layers(model_yaml: str, flite_json: str) -> tuple[list[tuple[str, int]], str | None]:
+    """``([(kind, parameters)] of the layers FLITE adapts, plan error or None)`` for a causal LM built on
+    the meta device (its config only: no weights are read)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from clients.flite.config import FliteConfig
+    from clients.flite.model import _candidates, _matrix_shape, _norm_params, plan
+    from clients.models.llm import causal_lm_config
+
+    config, _ = causal_lm_config(OmegaConf.create(model_yaml))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    flite = FliteConfig.from_dict(json.loads(flite_json))
+    layers = []
+    for _, module, kind in _candidates(model, flite):
+        m, n = _matrix_shape(module, kind, _norm_params(module) if kind == "norm" else ("weight",))
+        layers.append((kind, m * n))
+    try:
+        plan(model, flite)
+    except ValueError as err:
+        return layers, str(err)
+    return layers, None
+
+
+def _check_flite_budget(cfg: DictConfig) -> None:
+    """FLITE's latent budget against the causal LM's layers, at compose time: each norm layer takes
+    ``algorithm.flite.norm_latents`` from ``algorithm.flite.latent_budget`` first and every weight
+    layer needs at least one of the rest, so a deep model (Gemma-3: 6 norms a layer) can exceed the
+    default 1,280 — refused here with the settings that fit, not by every client after the start."""
+    if cfg.algorithm.name != "flite" or cfg.model.kind != "causal_lm":
+        return
+    import json
+
+    from clients.models.llm import ModelError
+    from fedapps.flite import flite_config
+
+    flite = flite_config(cfg, measure=False)
+    if flite.latents is not None:
+        return
+    try:
+        layers, error = _flite_layers(to_yaml(cfg.model), json.dumps(flite.to_dict(), sort_keys=True, default=str))
+    except (ModelError, OSError, ValueError):
+        return  # a model this process cannot describe (a hub id offline): its clients will say
+    norms = [size for kind, size in layers if kind == "norm"]
+    weights = len(layers) - len(norms)
+    taken = sum(min(flite.norm_latents, size) for size in norms)
+    if weights and flite.latent_budget - taken < weights:
+        need = taken + weights
+        fit = max(0, (flite.latent_budget - weights) // max(1, len(norms)))
+        raise ConfigError(
+            f"FLITE's algorithm.flite.latent_budget={flite.latent_budget} is too small for model "
+            f"'{cfg.model.name}': its {len(norms)} norm layers take {taken} latents "
+            f"(algorithm.flite.norm_latents={flite.norm_latents} each) and its {weights} weight layers need at "
+            f"least one each; set algorithm.flite.latent_budget >= {need}"
+            + (f", or algorithm.flite.norm_latents <= {fit}" if fit >= 1 else "")
+            + ", or algorithm.flite.include_norms=false")
+    if error:
+        raise ConfigError(f"invalid algorithm.flite for model '{cfg.model.name}': {error}")
 
 
 def _check_reply(algorithm) -> None:

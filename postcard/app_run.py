@@ -83,10 +83,34 @@ def precheck(args: list[str]) -> str | None:
         cfg = finalize(compose_from_run_config(run_config))
     except ConfigError as err:
         return str(err)
+    refused = resume_refusal(cfg)
+    if refused:
+        return refused
     wanted, given = client_count(cfg), federation.get("num-supernodes")
     if given is not None and int(given) != wanted:
         return (f"--federation-config num-supernodes={given} but the run has num_clients={wanted}: pass "
                 f"num-supernodes={wanted}, or set num_clients={given} (overrides='num_clients={given}')")
+    return None
+
+
+def resume_refusal(cfg, relative: bool = False) -> str | None:
+    """Why the server would refuse ``cfg.resume`` (a folder without a checkpoint, ``auto`` without a
+    run_name), said here at once instead of after the SuperLink and the ServerApp have started; None
+    when it may go ahead. A relative folder without ``output_dir`` is left to the server (it reads it
+    from its own output root), unless ``relative``: the caller sends the server this process's root."""
+    from fedapps.checkpoint import ResumeError, resume_folder
+
+    value = cfg.get("resume")
+    text = str(value).lower()
+    if value is None or value is False or text in ("", "false", "none", "null"):
+        return None
+    auto = value is True or text in ("auto", "true")
+    if not (auto or relative or Path(str(value)).expanduser().is_absolute() or cfg.get("output_dir")):
+        return None
+    try:
+        resume_folder(cfg)
+    except ResumeError as err:
+        return str(err)
     return None
 
 

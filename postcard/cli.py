@@ -52,7 +52,7 @@ class ComparisonTable(Callback):
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> dict | None:
-    from postcard.app_run import run_composed
+    from postcard.app_run import resume_refusal, run_composed
 
     try:
         cfg = finalize(cfg)
@@ -63,6 +63,12 @@ def run(cfg: DictConfig) -> dict | None:
         OmegaConf.set_struct(cfg, False)
         cfg.output_dir = str(Path(HydraConfig.get().sweep.dir).resolve())
         OmegaConf.set_struct(cfg, True)
+    # a resume folder without a checkpoint: refused now, not after the run has started (run_composed
+    # sends the server this process's output root, so a relative folder means the same there)
+    refused = resume_refusal(cfg, relative=True)
+    if refused:
+        print(f"postcard: {refused}", file=sys.stderr)
+        raise SystemExit(2)
     status, summary = run_composed(cfg, list(HydraConfig.get().overrides.task))
     if status != 0:  # the run's own error has been printed by now
         raise SystemExit(status)
