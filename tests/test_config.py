@@ -62,7 +62,7 @@ def test_run_config_maps_to_groups_and_overrides():
     "kwargs, message",
     [
         (dict(algorithm="fedsgd"), "unknown algorithm .fedsgd.; valid choices: .*fedavg-lora.*fedprox.*ffa-lora"),
-        (dict(task="imagenet"), "unknown task .imagenet.; valid choices: cifar10, fmnist, mmlu, .*shakespeare"),
+        (dict(task="imagenet"), "unknown task .imagenet.; valid choices: cifar10, fmnist, instructions, mmlu, .*shakespeare, text"),
         (dict(overrides="model=gpt5"), "unknown model 'gpt5'"),
         (dict(overrides="train.lrr=1"), "train.lrr"),
         (dict(overrides="rounds=abc"), "rounds must be an integer"),
