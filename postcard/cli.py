@@ -52,7 +52,7 @@ class ComparisonTable(Callback):
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> dict | None:
-    from postcard.app_run import resume_refusal, run_composed
+    from postcard.app_run import data_refusal, resume_refusal, run_composed
 
     try:
         cfg = finalize(cfg)
@@ -65,7 +65,8 @@ def run(cfg: DictConfig) -> dict | None:
         OmegaConf.set_struct(cfg, True)
     # a resume folder without a checkpoint: refused now, not after the run has started (run_composed
     # sends the server this process's output root, so a relative folder means the same there)
-    refused = resume_refusal(cfg, relative=True)
+    # and an image task whose dataset is not on this machine (CIFAR-10 without the bigbench sdist)
+    refused = resume_refusal(cfg, relative=True) or data_refusal(cfg)
     if refused:
         print(f"postcard: {refused}", file=sys.stderr)
         raise SystemExit(2)

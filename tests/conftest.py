@@ -8,6 +8,29 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+# CIFAR-10 comes from the bigbench 1.0.0 sdist, which PyPI no longer has (removed on or before
+# 2026-12-04): tests that read its images carry @pytest.mark.needs_cifar10 and are skipped, with
+# this reason, on a machine without it (most tests only compose task=cifar10 and need no data).
+NEEDS_CIFAR10 = ("CIFAR-10 is not available (no bigbench-1.0.0.tar.gz or converted vision-cifar10-v1 in "
+                 "$POSTCARD_CACHE; bigbench 1.0.0 left PyPI): see `make assets-cifar10`")
+
+
+def cifar10_available() -> bool:
+    from clients.tasks.vision import available
+
+    return available("cifar10")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_cifar10: reads the real CIFAR-10 images (skipped when absent)")
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if item.get_closest_marker("needs_cifar10")]
+    if marked and not cifar10_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=NEEDS_CIFAR10))
+
 
 @pytest.fixture
 def outputs(tmp_path, monkeypatch):

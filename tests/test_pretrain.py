@@ -9,14 +9,24 @@ from fedapps.config import ConfigError, compose
 TINY = ["model=tiny-cnn", "base=public", "base.steps=12", "base.batch_size=16", "task.image_size=16",
         "num_clients=3"]
 
+# each image task: CIFAR-10 (skipped without the bigbench sdist, tests/conftest.py) and Fashion-MNIST
+DATASETS = [pytest.param("cifar10", marks=pytest.mark.needs_cifar10), "fmnist"]
+# public images per class (20% of each), and the clients' pool (fmnist: task.max_examples of the rest)
+PUBLIC = {"cifar10": (200, 8_000), "fmnist": (1_400, 10_000)}
+
+
+@pytest.fixture(params=DATASETS)
+def dataset(request):
+    return request.param
+
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """θ_pre goes to a temporary cache; the converted datasets are linked from the real one."""
+def cache(dataset, tmp_path, monkeypatch):
+    """θ_pre goes to a temporary cache; the converted dataset is linked from the real one."""
     from clients.assets import cache_dir
     from clients.tasks.vision import dataset_file
 
-    real = dataset_file("cifar10").parent
+    real = dataset_file(dataset).parent
     folder = tmp_path / "cache"
     folder.mkdir()
     (folder / real.name).symlink_to(real)
@@ -26,18 +36,19 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("partition", ["iid", "dirichlet"])
-def test_the_public_split_is_a_share_of_every_class_and_no_clients_data(partition):
+def test_the_public_split_is_a_share_of_every_class_and_no_clients_data(dataset, partition):
     from clients.tasks.image import ImageTask
 
-    cfg = compose([*TINY, f"partition={partition}"], task="cifar10", algorithm="flite")
+    cfg = compose([*TINY, f"partition={partition}"], task=dataset, algorithm="flite")
     public = ImageTask.public(cfg)
     server = np.concatenate([public.train_idx, public.test_idx])
     clients = np.concatenate([np.concatenate([t.train_idx, t.test_idx])
                               for t in (ImageTask(cfg, pid, 3) for pid in range(3))])
     assert len(np.intersect1d(server, clients)) == 0 and len(np.unique(clients)) == len(clients)
     counts = np.bincount(public.labels[server], minlength=10)
-    assert counts.tolist() == [200] * 10  # 20% of each of CIFAR-10's 1,000 test images per class
-    assert len(server) + len(clients) == 10_000
+    per_class, pool = PUBLIC[dataset]
+    assert counts.tolist() == [per_class] * 10  # 20% of each class (CIFAR-10: 1,000 test images per class)
+    assert len(clients) == pool  # CIFAR-10: every other image; Fashion-MNIST: 10,000 of the other 56,000
 
 
 def test_without_a_public_split_the_clients_data_is_what_it_was():
@@ -54,20 +65,21 @@ def test_without_a_public_split_the_clients_data_is_what_it_was():
     assert np.array_equal(task.train_idx, train) and np.array_equal(task.test_idx, test)
 
 
-def test_theta_pre_is_built_once_reloaded_exactly_and_its_head_kept(cache):
+def test_theta_pre_is_built_once_reloaded_exactly_and_its_head_kept(dataset, cache):
     from clients.flite import orthogonal_head_
     from clients.models import build_model
     from clients.pretrain import base_checkpoint, ensure_base, read_report
     from fedapps.baselines import prepare as lora_prepare
     from fedapps.flite import prepare as flite_prepare
 
-    cfg = compose(TINY, task="cifar10", algorithm="flite")
+    cfg = compose(TINY, task=dataset, algorithm="flite")
     path = ensure_base(cfg)
     assert path.parent.parent == cache and base_checkpoint(cfg) == path
     stamp = path.stat().st_mtime_ns
     assert ensure_base(cfg) == path and path.stat().st_mtime_ns == stamp  # reused, not retrained
     report = read_report(cfg)
-    assert report["public_images"] == 2000 and report["settings"]["base"]["steps"] == 12 and report["cpu"]
+    assert report["public_images"] == PUBLIC[dataset][0] * 10 and report["settings"]["base"]["steps"] == 12
+    assert report["cpu"]
 
     from safetensors.torch import load_file
 
@@ -83,34 +95,34 @@ def test_theta_pre_is_built_once_reloaded_exactly_and_its_head_kept(cache):
     flite, _, extra = flite_prepare(cfg)  # run seed 42: a re-draw would give another head
     assert torch.equal(flite.head.weight, saved["head.weight"]) and not flite.head.weight.requires_grad
     torch.testing.assert_close(flite(x), model(x))  # z = 0: θ_pre's outputs exactly
-    lora, _, _ = lora_prepare(compose([*TINY, "model.lora_targets=['0','4']"], task="cifar10",
+    lora, _, _ = lora_prepare(compose([*TINY, "model.lora_targets=['0','4']"], task=dataset,
                                       algorithm="fedavg-lora"))
     torch.testing.assert_close(lora(x), model(x))
-    full, _, names = lora_prepare(compose(TINY, task="cifar10", algorithm="fedavg-full"))
+    full, _, names = lora_prepare(compose(TINY, task=dataset, algorithm="fedavg-full"))
     torch.testing.assert_close(full(x), model(x))
     assert "head.weight" in names["names"]  # full FedAvg trains every weight, from θ_pre
 
     # another θ_pre (other settings) is another file, and FLITE's fingerprint tells them apart
-    other = compose([*TINY, "base.steps=13"], task="cifar10", algorithm="flite")
+    other = compose([*TINY, "base.steps=13"], task=dataset, algorithm="flite")
     assert ensure_base(other) != path
     assert flite_prepare(other)[2]["fingerprint"] != extra["fingerprint"]
 
 
-def test_a_client_without_theta_pre_is_told_how_to_get_it(cache):
+def test_a_client_without_theta_pre_is_told_how_to_get_it(dataset, cache):
     from clients.assets import AssetMissing
     from clients.models import build_model
 
     with pytest.raises(AssetMissing, match="postcard pretrain"):
-        build_model(compose([*TINY, "base.seed=7"], task="cifar10", algorithm="flite"))
+        build_model(compose([*TINY, "base.seed=7"], task=dataset, algorithm="flite"))
 
 
-def test_postcard_pretrain_builds_then_reuses_and_refuses_bad_input(cache, capsys):
+def test_postcard_pretrain_builds_then_reuses_and_refuses_bad_input(dataset, cache, capsys):
     from postcard.pretrain import main
 
-    args = ["task=cifar10", "model=tiny-cnn", "base.steps=5", "task.image_size=16"]
+    args = [f"task={dataset}", "model=tiny-cnn", "base.steps=5", "task.image_size=16"]
     assert main(args) == 0
     first = capsys.readouterr().out
-    assert "θ_pre:" in first and "2000 public images" in first
+    assert "θ_pre:" in first and f"{PUBLIC[dataset][0] * 10} public images" in first
     assert main(args) == 0 and capsys.readouterr().out == first  # the same file and report, not retrained
     assert main(["task=cifar10", "base.stepz=5"]) == 2
     assert "did you mean 'base.steps'" in capsys.readouterr().err
@@ -167,7 +179,7 @@ def test_resnet18_gn_has_a_cifar_stem_and_starts_from_a_random_init_for_base_pub
         ResNet18GN(stem="tiny")
 
 
-def test_flite_split_by_sensitivity_uses_theta_pres_gradient_norms_measured_once(cache):
+def test_flite_split_by_sensitivity_uses_theta_pres_gradient_norms_measured_once(dataset, cache):
     """split=sensitivity: θ_pre's per-layer gradient norms on the public split (measured once, cached
     beside θ_pre) share FLITE's latents; the layout, so the fingerprint, follows them."""
     from clients.flite import FliteConfig
@@ -176,7 +188,7 @@ def test_flite_split_by_sensitivity_uses_theta_pres_gradient_norms_measured_once
     from clients.pretrain import base_folder_name, base_sensitivity
     from fedapps.flite import prepare as flite_prepare
 
-    cfg = compose([*TINY, "algorithm.flite.split=sensitivity"], task="cifar10", algorithm="flite")
+    cfg = compose([*TINY, "algorithm.flite.split=sensitivity"], task=dataset, algorithm="flite")
     sensitivity = base_sensitivity(cfg)
     stored = cache / (base_folder_name(cfg) + "-sensitivity") / "sensitivity.json"
     stamp = stored.stat().st_mtime_ns
@@ -195,7 +207,7 @@ def test_flite_split_by_sensitivity_uses_theta_pres_gradient_norms_measured_once
     assert [s.latents for s in layers] == expected
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(flite(x), model(x))  # z = 0: θ_pre
-    sqrt = flite_prepare(compose(TINY, task="cifar10", algorithm="flite"))[2]
+    sqrt = flite_prepare(compose(TINY, task=dataset, algorithm="flite"))[2]
     assert sqrt["fingerprint"] != extra["fingerprint"]
 
     with pytest.raises(ValueError, match="needs a sensitivity for every weight layer; none for"):

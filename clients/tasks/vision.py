@@ -8,8 +8,13 @@ time):
     PNGs in Google BIG-bench's ``cifar10_classification/base64/task.json``, read straight
     out of the ``bigbench==1.0.0`` sdist with ``tarfile`` (the package itself is never
     installed: its requirements pull in TensorFlow). The sdist is expected at
-    ``cache_dir()/downloads/bigbench-1.0.0.tar.gz`` (``make assets-cifar10`` puts it there).
-    Only the test split exists here, so tasks make their own train/validation split.
+    ``cache_dir()/downloads/bigbench-1.0.0.tar.gz`` (``make assets-cifar10`` tries to put it
+    there). Only the test split exists here, so tasks make their own train/validation split.
+    **bigbench 1.0.0 was removed from PyPI (on or before 2026-12-04; only 0.0.1 is left)**
+    and no other package found ships the CIFAR-10 images, so on a fresh machine CIFAR-10 is
+    unavailable: ``available("cifar10")`` is False, the ``cifar10`` task is refused in one
+    line naming how to provide the data (a copy of the sdist, or an already converted
+    ``vision-cifar10-v1`` folder, in the cache), and the tests that read it are skipped.
 ``fmnist``
     Fashion-MNIST, all 70,000 28x28 grayscale images (the 60,000 official training images
     first, then the 10,000 official test images), from the Debian package
@@ -83,6 +88,25 @@ def dataset_file(name: str) -> Path:
     return folder / f"{name}.npz"
 
 
+def available(name: str) -> bool:
+    """Whether dataset ``name`` can be loaded here (its converted cache or its source exists),
+    checked without converting anything."""
+    check_name(name)
+    if (cache_dir() / f"vision-{name}-{_CACHE_VERSION}" / ".complete").exists():
+        return True
+    try:
+        bigbench_sdist() if name == "cifar10" else fmnist_files()
+    except AssetMissing:
+        return False
+    return True
+
+
+def require(name: str) -> None:
+    """Raise ``AssetMissing`` (one line, naming how to provide the data) unless ``name`` is available."""
+    if not available(name):
+        bigbench_sdist() if name == "cifar10" else fmnist_files()
+
+
 def load_arrays(name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """``(images, labels, class_names)`` of dataset ``name``.
 
@@ -153,13 +177,15 @@ def to_tensor(
 
 
 def bigbench_sdist() -> Path:
-    """The BIG-bench 1.0.0 sdist holding CIFAR-10, or AssetMissing with the command to get it."""
+    """The BIG-bench 1.0.0 sdist holding CIFAR-10, or AssetMissing saying how to provide it."""
     path = cache_dir() / "downloads" / BIGBENCH_SDIST
     if not path.is_file():
         raise AssetMissing(
-            f"CIFAR-10 needs the BIG-bench sdist at {path}; run `make assets-cifar10` "
-            f"(= `python -m pip download --no-deps bigbench==1.0.0 -d {path.parent}`; "
-            "pip >= 26 refuses this sdist, pip 23.2 works)"
+            f"CIFAR-10 is not available: it needs the BIG-bench 1.0.0 sdist at {path} (or an already "
+            f"converted {path.parent.parent / ('vision-cifar10-' + _CACHE_VERSION)} folder), and bigbench==1.0.0 "
+            "was removed from PyPI (on or before 2026-12-04); copy a bigbench-1.0.0.tar.gz you have there "
+            "(`make assets-cifar10` tries `pip download --no-deps bigbench==1.0.0` with pip 23.2), "
+            "or use task=fmnist"
         )
     return path
 
