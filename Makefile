@@ -29,7 +29,7 @@ help:
 	@echo "make test    - set up, then run the test suite"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run every benchmark script (bench/, ~10 h on 2 cores), then write docs/benchmarks.md"
-	@echo "make deploy-local - a real SuperLink (TLS, node auth) + $(DEPLOY_NODES) SuperNodes on 127.0.0.1, one 'flwr run', all stopped"
+	@echo "make deploy-local - a gated SuperLink (TLS, node auth; Fleet alone on 127.0.0.2, Control on 127.0.0.1) + $(DEPLOY_NODES) SuperNodes, one 'flwr run', all stopped"
 	@echo "make gpu-wheels - what a GPU machine lacks for bench/gpu_check.py, into .whl/ (<= 56 MiB; docs/gpu.md)"
 	@echo "make gpu-check  - ON THE GPU MACHINE: install .whl/ into /tmp/postcard-site, run bench/gpu_check.py (OUT=folder)"
 	@echo "make gpu-check-cpu - the same check on this CPU with the tiny model (what CI runs)"

@@ -88,7 +88,6 @@ def simulation_row(n: int, secure: bool, rounds: int, out: Path) -> dict:
         "protocol_uplink_bytes": float(np.mean([c.get("secagg_uplink_bytes", 0) for c in clients])),
         "protocol_downlink_bytes": float(np.mean([c.get("secagg_downlink_bytes", 0) for c in clients])),
         "accuracy": summary["final_metric"], "refused": summary["refused_replies"],
-        "clipped": float(np.mean([c.get("train_secagg-clipped", 0.0) for c in clients])),
     }
 
 
@@ -110,12 +109,12 @@ def report(protocol: list[dict], simulation: list[dict], command: str) -> str:
               "Client seconds are per client per round.", ""]
     if simulation:
         lines += ["## Simulation (Ray): FLITE, tiny CNN, Fashion-MNIST, 256 latents", "",
-                  "| N | secure | s per round | payload B | protocol up B | protocol down B | accuracy | clipped |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| N | secure | s per round | payload B | protocol up B | protocol down B | accuracy |",
+                  "|---|---|---|---|---|---|---|"]
         for r in simulation:
             lines.append(f"| {r['n']} | {'on' if r['secure'] else 'off'} | {r['seconds_per_round']:.2f} | "
                          f"{r['payload_bytes']:,.0f} | {r['protocol_uplink_bytes']:,.0f} | "
-                         f"{r['protocol_downlink_bytes']:,.0f} | {r['accuracy']:.3f} | {r['clipped']:.3f} |")
+                         f"{r['protocol_downlink_bytes']:,.0f} | {r['accuracy']:.3f} |")
         lines += ["", "Seconds per round: the round's wall time (training, the secure stages, evaluation), mean "
                   f"over rounds 1..{simulation[0]['rounds']}; one seed — the accuracy column shows the run "
                   "completes and learns, not a comparison between the two modes.", ""]

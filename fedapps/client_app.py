@@ -7,6 +7,8 @@ sent, the session of this node (model built by the method's ``prepare``, task of
 partition), then the method's ``train`` or ``evaluate``; the reply carries the metrics
 with this node's ``partition-id`` and ``client-seconds`` (the whole message's work on the
 node, the session included: bench/overhead.py takes Flower's share of a round from it).
+Under secure aggregation or differential privacy a training reply's metrics are only
+``num-examples: 1`` (docs/privacy.md lists what a client still reveals).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def train(msg: Message, context: Context) -> Message:
     if secure.settings_of(call.cfg) is not None:
         arrays = secure.masked_update(call, update, arrays)
     update.metrics["client-seconds"] = time.perf_counter() - start  # this message's whole work on the node
+    if dp is not None or secure.settings_of(call.cfg) is not None:
+        # a private run's reply says nothing of this node but its (clipped, noised or masked) update: no loss,
+        # norm, timing or partition id in clear, and one example (the server weighs private replies uniformly)
+        update.metrics = {"num-examples": 1}
     out = reply(msg, update.metrics, arrays)
     for name, record in update.records.items():
         out.content[name] = record

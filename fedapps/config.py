@@ -515,9 +515,9 @@ def _check_secure(cfg: DictConfig) -> None:
     _dense_mean_only(cfg, "secure_aggregation", "hides every client's update")
     threshold = settings.threshold
     clients = cfg.num_clients or cfg.task.get("default_clients")
-    if threshold is not None and clients and not 2 <= threshold <= int(clients):
-        raise ConfigError(f"secure_aggregation.threshold must be between 2 and the run's {clients} clients, "
-                          f"got {threshold}")
+    if threshold is not None and clients and not (2 <= threshold <= int(clients) and 2 * threshold > int(clients)):
+        raise ConfigError(f"secure_aggregation.threshold must be a majority of the run's {clients} clients "
+                          f"({max(2, int(clients) // 2 + 1)}..{clients}), got {threshold}")
     if clients is not None and int(clients) < 2:
         raise ConfigError("secure_aggregation needs at least 2 clients (the sum of one is its update)")
 

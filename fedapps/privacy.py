@@ -22,7 +22,19 @@ def settings_of(cfg) -> Privacy | None:
     block = cfg.get("privacy")
     if not block or block.get("mode") in (None, "off", False):
         return None
-    return Privacy.from_config(block, rounds=int(cfg.rounds), sample_rate=float(cfg.strategy.fraction_train))
+    return Privacy.from_config(block, rounds=int(cfg.rounds), sample_rate=sample_rate(cfg))
+
+
+def sample_rate(cfg) -> float:
+    """The fraction of the clients a round trains, as Flower samples them: ``max(⌊N·fraction_train⌋,
+    min_clients) / N`` — with ``min_clients: null`` (= N) every client, whatever ``fraction_train`` says."""
+    fraction = float(cfg.strategy.fraction_train)
+    clients = cfg.get("num_clients") or cfg.task.get("default_clients")
+    if not clients:
+        return fraction
+    clients = int(clients)
+    least = int(cfg.strategy.min_clients) if cfg.strategy.get("min_clients") else clients
+    return min(1.0, max(int(clients * fraction), least) / clients)
 
 
 def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayRecord:

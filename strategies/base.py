@@ -158,6 +158,8 @@ class PayloadFedAvg(FedAvg):
             raise ValueError(f"differential privacy clips and noises dense updates: uplink format '{uplink_format}' "
                              "is not dense")
         self.privacy_released = 0  # rounds whose noised aggregate (central) or noised updates (local) went out
+        self.sampled_rate = 0.0  # the largest fraction of the connected nodes a round trained (the accountant's q)
+        self._available = 0  # nodes connected when this round's training was configured
         self.server_opt = server_optimizer if server_optimizer is not None else ServerOptimizer()
         self.opt_state = OptimizerState()
         self._pending_opt: tuple[int, OptimizerState] | None = None  # this round's moments, until it commits
@@ -258,6 +260,7 @@ class PayloadFedAvg(FedAvg):
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON-able metadata) that let a new server process continue this run."""
         meta = {"history": list(self.history), "privacy_released": self.privacy_released,
+                "sampled_rate": self.sampled_rate,
                 "banned": {str(k): v for k, v in self.banned.items()}}
         if self.latent_downlink:  # the bytes as sent: a resumed run sends the clients the same history
             meta["latent_history"] = [[t, a.stype, list(a.shape), a.data.hex()] for t, a in self.latent_history]
@@ -288,6 +291,7 @@ class PayloadFedAvg(FedAvg):
         self._downlink = None
         self.history = list(meta.get("history", []))
         self.privacy_released = int(meta.get("privacy_released", 0))
+        self.sampled_rate = float(meta.get("sampled_rate", 0.0))
         self.banned = {int(k): str(v) for k, v in (meta.get("banned") or {}).items()}
         self.latent_history = [(int(t), Array(dtype="float32", shape=tuple(shape), stype=str(stype),
                                               data=bytes.fromhex(data)))
@@ -328,6 +332,7 @@ class PayloadFedAvg(FedAvg):
 
     # ------------------------------------------------------------------ training
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        self._available = len(list(grid.get_node_ids()))
         return self._messages(self._unbanned(super().configure_train(server_round, arrays, config, grid)),
                               server_round, "train", config)
 
@@ -525,7 +530,7 @@ class PayloadFedAvg(FedAvg):
             nodes.append(node_id)
             payloads.append(tensors)
             weights.append(num_examples)
-            metrics.append(reply_metrics)
+            metrics.append({NUM_EXAMPLES: num_examples} if self.private else reply_metrics)
             self._account_upload(node_id, msg, reply_metrics)
         if not payloads:
             log(WARNING, "round %s: no acceptable training reply; the global state is unchanged", server_round)
@@ -549,7 +554,26 @@ class PayloadFedAvg(FedAvg):
             client["uplink_wire_bytes"] = codec.wire_bytes(msg)
         except Exception:  # noqa: BLE001
             pass
-        client.update({f"train_{k}": _plain(v) for k, v in reply_metrics.items()})
+        self._store_client_metrics(node_id, "train", reply_metrics)
+
+    @property
+    def private(self) -> bool:
+        """Secure aggregation or differential privacy: what a client reports is never kept per client."""
+        return self.secure is not None or self.privacy is not None
+
+    def _store_client_metrics(self, node_id: int, phase: str, metrics: Mapping) -> None:
+        """A reply's metrics in its node's round record as ``<phase>_<name>``, never over a field the
+        server wrote (its byte accounting); in a private run not at all (only the aggregate is kept)."""
+        if self.private:
+            return
+        client = self._client(node_id)
+        for key, value in metrics.items():
+            name = f"{phase}_{key}"
+            if name in client:
+                log(WARNING, "round %s: node %s reported a metric '%s', a name the server's own record uses; "
+                    "left out", self._round.get("round"), node_id, key)
+                continue
+            client[name] = _plain(value)
 
     def train_ended(self, server_round: int) -> None:
         """Called once a round's training replies were aggregated (plain or secure), whether or not the
@@ -561,10 +585,17 @@ class PayloadFedAvg(FedAvg):
         clients added their noise) divides by the same. The release is counted for the accountant."""
         privacy = self.privacy
         sampled = max(1, len(self._sent.get("train", [])) or accepted)
+        if self._available:  # ε from the rate that happened, if Flower sampled more than planned
+            rate = sampled / max(self._available, sampled)
+            if rate > privacy.sample_rate + 1e-9 and rate > self.sampled_rate:
+                log(WARNING, "round %s: %d of %d nodes trained, a sampling rate of %.3g, above the %.3g the noise "
+                    "was calibrated for: ε is accounted at %.3g", server_round, sampled, self._available, rate,
+                    privacy.sample_rate, rate)
+            self.sampled_rate = max(self.sampled_rate, rate)
         if privacy.mode == "central":
             total = add_noise(total, privacy.sum_std, privacy.rng(server_round))
         self.privacy_released += 1
-        self._round["privacy"] = privacy.record(self.privacy_released)
+        self._round["privacy"] = privacy.record(self.privacy_released, self.sampled_rate)
         return self.advance(server_round, {k: v / sampled for k, v in total.items()})
 
     def _apply(self, server_round: int, update: dict[str, np.ndarray], metrics: list[dict], weights: list):
@@ -653,7 +684,7 @@ class PayloadFedAvg(FedAvg):
                 self._refuse(node_id, f"malformed payload ({type(err).__name__}: {err})", kind="payload")
                 continue
             self._secure.upload(node_id, residues)
-            self._secure_metrics.append(reply_metrics)
+            self._secure_metrics.append({NUM_EXAMPLES: reply_metrics[NUM_EXAMPLES]})  # nothing else of it is kept
             self._account_upload(node_id, msg, reply_metrics)
         try:
             out = self._secure.unmask_messages()
@@ -790,7 +821,7 @@ class PayloadFedAvg(FedAvg):
         for msg, reply_metrics in self._screen(replies, "eval"):
             metrics.append(reply_metrics)
             weights.append(reply_metrics[NUM_EXAMPLES])
-            self._client(_node(msg)).update({f"eval_{k}": _plain(v) for k, v in reply_metrics.items()})
+            self._store_client_metrics(_node(msg), "eval", reply_metrics)
         aggregated = aggregate_metrics(metrics, robust.cap_weights(weights, self.robustness)) if metrics else None
         self._finish_round(aggregated)
         return aggregated
@@ -819,6 +850,9 @@ def _plain(value):
 
 # ---------------------------------------------------------------------- reply screening helpers
 MAX_METRIC_LIST = 4096  # the longest list a metric may be (e.g. one value per layer)
+MAX_METRIC_KEYS = 64  # metrics one reply may carry
+MAX_METRIC_NAME = 64  # characters in a metric's name
+MAX_METRIC_VALUES = 8192  # numbers in one reply's metrics, lists included
 
 
 def _node(msg: Message) -> int:
@@ -887,6 +921,14 @@ def check_metrics(content: RecordDict) -> dict:
         raise PayloadError(f"unexpected MetricRecords {extra[:3]} (a reply carries one, 'metrics')")
     example_count(content)
     metrics = content.metric_records["metrics"]
+    if len(metrics) > MAX_METRIC_KEYS:
+        raise PayloadError(f"the metrics carry {len(metrics)} keys, more than {MAX_METRIC_KEYS}")
+    long = [k for k in metrics if len(k) > MAX_METRIC_NAME]
+    if long:
+        raise PayloadError(f"metric name '{long[0][:MAX_METRIC_NAME]}...' is longer than {MAX_METRIC_NAME} characters")
+    values = sum(len(v) if isinstance(v, list) else 1 for v in metrics.values())
+    if values > MAX_METRIC_VALUES:
+        raise PayloadError(f"the metrics carry {values} numbers, more than {MAX_METRIC_VALUES}")
     out = {}
     for key, value in metrics.items():
         if isinstance(value, list):
@@ -901,7 +943,8 @@ def check_metrics(content: RecordDict) -> dict:
 def aggregate_metrics(metrics: list[Mapping], weights: list[int]) -> MetricRecord:
     """Per key, the weighted mean over the replies that report it (a missing key is not a 0);
     a key reported as a number by some and a list by others, or as lists of different
-    lengths, is left out. ``num-examples`` is not aggregated (it is the weight), nor
+    lengths, is aggregated over the replies of the most common shape (one client's odd shape
+    cannot hide the metric from everyone). ``num-examples`` is not aggregated (it is the weight), nor
     ``partition-id`` (a label: its mean means nothing)."""
     out = MetricRecord()
     keys = sorted({k for m in metrics for k in m} - {NUM_EXAMPLES, "partition-id"})
@@ -910,11 +953,15 @@ def aggregate_metrics(metrics: list[Mapping], weights: list[int]) -> MetricRecor
         total = sum(w for _, w in pairs)
         if total <= 0:
             continue
-        shapes = {len(v) if isinstance(v, list) else None for v, _ in pairs}
-        if len(shapes) != 1:
-            log(WARNING, "metric '%s' is reported in different shapes by different clients; not aggregated", key)
-            continue
-        if shapes == {None}:
+        shapes = [len(v) if isinstance(v, list) else None for v, _ in pairs]
+        if len(set(shapes)) != 1:  # the shape most replies report (a scalar on a tie); the others are left out
+            common = max(set(shapes), key=lambda shape: (shapes.count(shape), shape is None))
+            log(WARNING, "metric '%s' is reported in different shapes by different clients; %d of %d replies in "
+                "the most common one are aggregated", key, shapes.count(common), len(shapes))
+            pairs = [pair for pair, shape in zip(pairs, shapes) if shape == common]
+            total = sum(w for _, w in pairs)
+            shapes = [common]
+        if shapes[0] is None:
             out[key] = float(sum(v * w for v, w in pairs) / total)
         else:
             out[key] = [float(x) for x in np.sum([np.asarray(v, np.float64) * w for v, w in pairs], axis=0) / total]

@@ -127,8 +127,11 @@ class Privacy:
         """Central mode: the noise the server adds per value to the sum of clipped updates."""
         return self.noise_multiplier * self.clip
 
-    def epsilon(self, rounds_released: int) -> float:
-        return epsilon_spent(self.noise_multiplier, self.sample_rate, rounds_released, self.delta)
+    def epsilon(self, rounds_released: int, sample_rate: float | None = None) -> float:
+        """ε after ``rounds_released`` releases at the planned rate, or at ``sample_rate`` when a run
+        sampled more than planned (the accountant then takes the larger)."""
+        rate = max(self.sample_rate, float(sample_rate or 0.0))
+        return epsilon_spent(self.noise_multiplier, min(1.0, rate), rounds_released, self.delta)
 
     def rng(self, *stream: int) -> np.random.Generator:
         """The noise generator: NumPy's PCG64 seeded from 128 bits of ``os.urandom`` (the noise must
@@ -138,8 +141,10 @@ class Privacy:
             return np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         return np.random.default_rng([self.seed, *[int(s) for s in stream]])
 
-    def record(self, rounds_released: int) -> dict:
-        return {"mode": self.mode, "epsilon": self.epsilon(rounds_released), "delta": self.delta,
+    def record(self, rounds_released: int, sample_rate: float | None = None) -> dict:
+        rate = min(1.0, max(self.sample_rate, float(sample_rate or 0.0)))
+        return {"mode": self.mode, "epsilon": self.epsilon(rounds_released, rate), "delta": self.delta,
+                "sample_rate": rate,
                 "noise_multiplier": self.noise_multiplier, "clip": self.clip, "rounds_released": rounds_released,
                 "target_epsilon": self.target_epsilon}
 

@@ -50,8 +50,8 @@ class Robustness:
 
     aggregator: str = "mean"
     norm_clip: str | float | None = "median"
-    norm_multiple: float = 10.0
-    examples_multiple: float | None = 100.0
+    norm_multiple: float = 1.5
+    examples_multiple: float | None = 1.0
     max_examples: int | None = None
     max_abs: float | None = 1.0e6
     trim_fraction: float = 0.2

@@ -77,7 +77,9 @@ def test_run_config_maps_to_groups_and_overrides():
          "top-k updates have each client's own support"),
         (dict(overrides="secure_aggregation.enabled=true robust=median"), "secure_aggregation hides every client's update; robust 'median' does not fit"),
         (dict(overrides="secure_aggregation.enabled=true secure_aggregation.threshold=9 num_clients=4"),
-         "threshold must be between 2 and the run's 4 clients"),
+         r"threshold must be a majority of the run's 4 clients \(3..4\), got 9"),
+        (dict(overrides="secure_aggregation.enabled=true secure_aggregation.threshold=2 num_clients=4"),
+         r"threshold must be a majority of the run's 4 clients \(3..4\), got 2"),  # 2 of 4: two disjoint pairs
         (dict(overrides="secure_aggregation.enabled=true secure_aggregation.clip=-1"), "clipping range must be a pos"),
         (dict(overrides="secure_aggregation.enabled=true secure_aggregation.bits=30"), "1..24 bits per value"),
         (dict(overrides="secure_aggregation.enabled=yes"), "secure_aggregation.enabled must be true or false"),

@@ -9,9 +9,9 @@ from strategies import codec
 from strategies.flite import FliteStrategy
 
 
-def strategy(n=1280, fmt="int4", uplink="absolute"):
+def strategy(n=1280, fmt="int4", uplink="absolute", **kw):
     return FliteStrategy(fingerprint="abcd", initial_state={"z": np.zeros(n, np.float32)}, config_yaml="x: 1\n",
-                         num_clients=2, uplink_format=fmt, downlink_format=fmt, uplink=uplink)
+                         num_clients=2, uplink_format=fmt, downlink_format=fmt, uplink=uplink, **kw)
 
 
 def reply(node, z, fp="abcd", fmt="int4", n=10):
@@ -34,7 +34,11 @@ def test_int4_latents_are_648_bytes_and_averaged():
 
 
 def test_delta_uplink_adds_the_mean_update_to_the_fp32_global_latents():
-    s = strategy(n=4, fmt="fp32", uplink="delta")
+    from strategies.robust import Robustness
+
+    # robust=off: the example-weighted mean update exactly (the defaults cap 3 examples at 1, clip 0.4 to 1.5 x 0.1)
+    s = strategy(n=4, fmt="fp32", uplink="delta",
+                 robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))
     s.global_state["z"] = np.array([1, 2, 3, 4], np.float32)
     arrays, _ = s.aggregate_train(1, [reply(1, np.full(4, 0.1, np.float32), fmt="fp32", n=1),
                                       reply(2, np.full(4, 0.4, np.float32), fmt="fp32", n=3)])

@@ -118,7 +118,7 @@ def eval_replies(strategy, metrics_for):
 
 @pytest.mark.parametrize("hostile, outcome", [
     ({"perplexity": float("nan")}, "refused"),
-    ({"loss": [1.0, 2.0]}, "loss left out"),
+    ({"loss": [1.0, 2.0]}, "odd shape left out"),
     ({"num-examples": 10**18}, "capped"),
     ({"perplexity": None}, "missing"),
     ({"num-examples": -1}, "refused"),
@@ -130,10 +130,10 @@ def test_evaluation_replies_are_screened_and_a_missing_key_is_not_a_zero(hostile
     if outcome == "refused":
         assert strategy.history[-1]["refused"][0]["node_id"] == 4
         assert aggregated["perplexity"] == pytest.approx(honest)
-    elif outcome == "loss left out":
-        assert "loss" not in aggregated and aggregated["perplexity"] == pytest.approx(22.5)
-    elif outcome == "capped":  # 10**18 counted as 100 x the lower median (10)
-        assert aggregated["perplexity"] == pytest.approx((10 * (21 + 22 + 23) + 1000 * 24) / 1030)
+    elif outcome == "odd shape left out":  # one client's list cannot hide the others' loss (issue #39, finding 7)
+        assert aggregated["loss"] == pytest.approx(3.0) and aggregated["perplexity"] == pytest.approx(22.5)
+    elif outcome == "capped":  # 10**18 counted as 1 x the lower median (10): one client's claim sets nothing
+        assert aggregated["perplexity"] == pytest.approx((10 * (21 + 22 + 23) + 10 * 24) / 40)
     else:
         assert aggregated["perplexity"] == pytest.approx(honest)
 

@@ -1,0 +1,169 @@
+"""Issue #39's findings 3, 5, 6, 7 and 9: ε from the sampling that happened, nothing per client
+in clear in a private run, one hostile client of four moves the state less than the honest
+step by default, metric records bounded, the server's accounting out of a client's reach."""
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedapps.config import compose
+from strategies import codec
+from strategies.base import PayloadFedAvg
+from strategies.privacy import Privacy, epsilon_spent
+from strategies.robust import Robustness
+
+D = 400
+
+
+class Grid:
+    def __init__(self, nodes):
+        self.nodes = list(nodes)
+
+    def get_node_ids(self):
+        return self.nodes
+
+
+def push(messages):
+    for i, msg in enumerate(messages):
+        msg.metadata.__dict__["_message_id"] = f"m{i}"  # what the grid does when it pushes them
+    return {int(m.metadata.dst_node_id): m for m in messages}
+
+
+def reply(request, values=None, **metrics):
+    content = RecordDict({"metrics": MetricRecord({"num-examples": 10, **metrics})})
+    if values is not None:
+        content["arrays"] = codec.encode({"w": np.asarray(values, np.float32)})
+    return Message(content, reply_to=request)
+
+
+def strategy(clients=4, **kw):
+    return PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", num_clients=clients,
+                         uplink="delta", **kw)
+
+
+def round_of(strat, per_node, server_round=1):
+    """One training round: {node: (update, metrics)} answered to the strategy's own messages."""
+    requests = push(strat.configure_train(server_round, ArrayRecord(), ConfigRecord(), Grid(per_node)))
+    replies = [reply(requests[v], u, **m) for v, (u, m) in per_node.items()]
+    return strat.aggregate_train(server_round, replies)
+
+
+# ---------------------------------------------------------------------- finding 3: ε
+def test_epsilon_is_accounted_at_the_rate_flower_really_samples():
+    from fedapps.privacy import sample_rate, settings_of
+
+    cfg = compose(["privacy.mode=central", "privacy.epsilon=8", "rounds=10", "num_clients=10",
+                   "strategy.fraction_train=0.5"], preset="test")
+    assert cfg.strategy.min_clients is None  # Flower then samples max(5, 10) = every client
+    assert sample_rate(cfg) == 1.0
+    settings = settings_of(cfg)
+    assert settings.epsilon(10) == pytest.approx(8.0, rel=1e-3)  # the noise is calibrated for q = 1
+    cfg.strategy.min_clients = 5
+    assert sample_rate(cfg) == 0.5
+
+    # and whatever the plan said, a run that trains more nodes than planned records ε at that rate
+    planned = Privacy(mode="central", clip=0.1, delta=1e-5, noise_multiplier=1.0, rounds=10, sample_rate=0.5)
+    strat = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", num_clients=4,
+                          uplink="delta", privacy=planned)
+    round_of(strat, {v: (np.full(D, 0.01), {}) for v in (1, 2, 3, 4)})  # Flower sampled all 4 of 4
+    record = strat.history[-1] if strat.history else strat._round
+    assert record["privacy"]["sample_rate"] == 1.0
+    assert record["privacy"]["epsilon"] == pytest.approx(epsilon_spent(1.0, 1.0, 1, 1e-5))
+    assert record["privacy"]["epsilon"] > planned.epsilon(1)
+
+
+# ---------------------------------------------------------------------- finding 5: private runs
+@pytest.mark.parametrize("private", [dict(privacy=Privacy(mode="local", clip=1.0, delta=1e-5, noise_multiplier=1.0,
+                                                          rounds=3, sample_rate=1.0)), dict()])
+def test_a_private_run_keeps_no_client_metric_per_client(private):
+    strat = strategy(**private)
+    round_of(strat, {v: (np.full(D, 0.01 * v), {"loss": 1.0 + v, "dp-norm": 3.0 * v}) for v in (1, 2, 3, 4)})
+    clients = strat._round["clients"]
+    kept = {k for c in clients.values() for k in c if k.startswith("train_")}
+    requests = push(strat.configure_evaluate(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3, 4])))
+    aggregated = strat.aggregate_evaluate(1, [reply(requests[v], perplexity=20.0 + v) for v in (1, 2, 3, 4)])
+    record = strat.history[-1]
+    per_client_eval = {k for c in record["clients"] for k in c if k.startswith("eval_") and "bytes" not in k}
+    assert aggregated["perplexity"] == pytest.approx(22.5)  # the aggregate is kept either way
+    if private:
+        assert kept - {"train_downlink_payload_bytes", "train_downlink_message_bytes"} == set()
+        assert per_client_eval == set()
+    else:
+        assert {"train_loss", "train_dp-norm"} <= kept and "eval_perplexity" in per_client_eval
+
+
+def test_a_private_client_sends_nothing_but_its_update_and_one_example():
+    """The real ClientApp, local DP on the tiny model: the reply's metrics are num-examples = 1."""
+    from fedapps import registry
+    from fedapps.config import to_yaml
+    from inprocess import context, train_round
+
+    cfg = compose(["privacy.mode=local", "privacy.noise_multiplier=0.5", "train.local_steps=1"], preset="test")
+    strat = registry.get(cfg.algorithm.name).plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    replies = train_round(cfg, strat, 1, {1: context(1), 2: context(2)})
+    assert [dict(r.content["metrics"]) for r in replies] == [{"num-examples": 1}] * 2
+
+
+# ---------------------------------------------------------------------- finding 6: bounded influence
+@pytest.mark.parametrize("attack", ["sign-flip", "orthogonal"])
+def test_by_default_one_hostile_client_of_four_moves_the_state_less_than_the_honest_step(attack):
+    rng = np.random.default_rng(0)
+    common = rng.normal(size=D)
+    honest = {v: common + rng.normal(size=D) for v in (1, 2, 3)}
+    counts = {1: 900, 2: 1000, 3: 1100}
+    clean = strategy(clients=3, robustness=Robustness())
+    requests = push(clean.configure_train(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3])))
+    clean.aggregate_train(1, [reply(requests[v], honest[v] * 1e-3, **{"num-examples": counts[v]}) for v in honest])
+    step = clean.global_state["w"].astype(np.float64)
+    if attack == "sign-flip":
+        hostile = -1e5 * step
+    else:
+        hostile = rng.normal(size=D)
+        hostile = 1e3 * (hostile - hostile @ step / (step @ step) * step)  # within max_abs: bounded, not refused
+    attacked = strategy()  # the defaults: robust=default
+    requests = push(attacked.configure_train(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3, 4])))
+    replies = [reply(requests[v], honest[v] * 1e-3, **{"num-examples": counts[v]}) for v in honest]
+    replies.append(reply(requests[4], hostile, **{"num-examples": 10**18}))
+    attacked.aggregate_train(1, replies)
+    moved = attacked.global_state["w"].astype(np.float64)
+    assert np.linalg.norm(moved - step) < np.linalg.norm(step)  # with 10 / 100 it was 17x
+    kinds = {b["kind"] for b in attacked._round["bounded"] if b["node_id"] == 4}
+    assert kinds == {"examples-capped", "norm-clipped"}
+
+
+def test_an_evaluation_claim_of_many_examples_does_not_set_the_metric():
+    strat = strategy()
+    requests = push(strat.configure_evaluate(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3, 4])))
+    replies = [reply(requests[v], perplexity=20.0) for v in (1, 2, 3)]
+    replies.append(reply(requests[4], perplexity=1.0, **{"num-examples": 10**18}))
+    aggregated = strat.aggregate_evaluate(1, replies)
+    assert aggregated["perplexity"] == pytest.approx((3 * 20.0 + 1.0) / 4)  # one vote, not 10^17
+
+
+# ---------------------------------------------------------------------- finding 7: metric records
+@pytest.mark.parametrize("metrics, why", [
+    ({f"m{i}": 1.0 for i in range(10**4)}, "keys, more than 64"),
+    ({"x" * 65: 1.0}, "longer than 64 characters"),
+    ({f"l{i}": [1.0] * 4000 for i in range(3)}, "numbers, more than 8192"),
+])
+def test_a_huge_metric_record_is_refused_in_one_line(metrics, why):
+    strat = strategy(clients=2)
+    round_of(strat, {1: (np.full(D, 0.01), {}), 2: (np.full(D, 0.02), metrics)})
+    refused = strat._round["refused"]
+    assert [(r["node_id"], r["kind"]) for r in refused] == [(2, "metrics")] and why in refused[0]["reason"]
+    assert "\n" not in refused[0]["reason"] and len(refused[0]["reason"]) < 200
+
+
+def test_one_clients_list_does_not_hide_a_metric_from_everyone():
+    strat = strategy(clients=3)
+    _, metrics = round_of(strat, {1: (np.full(D, 0.01), {"loss": 2.0}), 2: (np.full(D, 0.01), {"loss": 4.0}),
+                                  3: (np.full(D, 0.01), {"loss": [9.0, 9.0]})})
+    assert metrics["loss"] == pytest.approx(3.0)
+
+
+# ---------------------------------------------------------------------- finding 9: the server's own fields
+def test_a_client_metric_cannot_overwrite_the_servers_byte_accounting():
+    strat = strategy(clients=2)
+    round_of(strat, {1: (np.full(D, 0.01), {"downlink_payload_bytes": 1.0}), 2: (np.full(D, 0.01), {})})
+    clients = strat._round["clients"]
+    assert clients["1"]["train_downlink_payload_bytes"] == clients["2"]["train_downlink_payload_bytes"] == 4 * D
