@@ -112,16 +112,56 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def _convert_smollm2(out: Path) -> None:
-    """GGUF (Q4_1) -> plain fp32 HF checkpoint (safetensors + tokenizer)."""
+class ConversionError(ValueError):
+    """A GGUF file that cannot become a Hugging Face checkpoint; the message says why in one line."""
+
+
+def gguf_metadata(path: Path) -> dict:
+    """``{"architecture", "name"}`` of a GGUF file (its header only, through the ``gguf`` reader)."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file: one line, whatever the reader raised
+        raise ConversionError(f"{path} is not a readable GGUF file: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    out = {}
+    for key, short in (("general.architecture", "architecture"), ("general.name", "name")):
+        field = reader.fields.get(key)
+        if field is not None:
+            out[short] = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    return out
+
+
+def gguf_architectures() -> list[str]:
+    """The GGUF architectures transformers' loader converts (llama, gemma3, qwen2, ...)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """A GGUF causal LM (any quantisation transformers dequantises; any architecture its GGUF loader
+    knows: ``gguf_architectures()``) -> a plain fp32 HF checkpoint in ``out``: ``config.json``,
+    safetensors weights (embeddings re-tied where the config ties them) and the tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
-    print(f"[postcard] converting {gguf.name} to an fp32 HF checkpoint in {cache_dir()} (once, ~20 s)",
-          file=sys.stderr, flush=True)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise ConversionError(f"{gguf} does not exist (give a .gguf file)")
+    meta = gguf_metadata(gguf)
+    arch = meta.get("architecture")
+    known = gguf_architectures()
+    if arch and arch not in known and arch.replace("-", "_") not in known:
+        raise ConversionError(f"{gguf.name} is a '{arch}' model; transformers' GGUF loader converts only "
+                              f"{', '.join(known)}")
+    print(f"[postcard] converting {gguf.name} ({arch or 'unknown architecture'}) to an fp32 HF checkpoint in "
+          f"{out.parent} (once)", file=sys.stderr, flush=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as err:
+        raise ConversionError(f"transformers cannot convert {gguf.name}: {str(err).splitlines()[0]}") from None
     config = quantised.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -130,6 +170,26 @@ def _convert_smollm2(out: Path) -> None:
     model.tie_weights()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _convert_smollm2(out: Path) -> None:
+    """The embedded GGUF (Q4_1) -> plain fp32 HF checkpoint (safetensors + tokenizer)."""
+    convert_gguf(smollm2_gguf(), out)
+
+
+def gguf_checkpoint(path) -> Path:
+    """A GGUF file (``model.gguf``) as an fp32 HF checkpoint folder in the cache, converted once per file
+    (the folder is named by the file's name, size and modification time)."""
+    import hashlib
+
+    force_offline()
+    gguf = Path(str(path)).expanduser().resolve()
+    if not gguf.is_file():
+        raise AssetMissing(f"model.gguf '{path}' does not exist (give a .gguf file)")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    stem = gguf.name[:-5] if gguf.name.lower().endswith(".gguf") else gguf.name
+    return cached_folder(f"gguf-{stem}-{key}", lambda out: convert_gguf(gguf, out))
 
 
 def smollm2_checkpoint() -> Path:

@@ -220,6 +220,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"tracking must be null or tensorboard, got {cfg.get('tracking')!r}")
     _check_partition(cfg.partition)
     _check_model_path(cfg.model)
+    _label_model(cfg.model)
     _check_robust(cfg)
     _check_router_rounds(cfg.algorithm)
     _check_server_optimizer(cfg)
@@ -318,16 +319,50 @@ def _check_partition(partition) -> None:
 
 def _check_model_path(model) -> None:
     """A causal LM's ``model.path`` that names a local folder must be a checkpoint folder (a hub id is left to
-    the online user); checked here, not on every client after the run started."""
-    path = model.get("path")
-    if not path or model.get("kind") != "causal_lm":  # a vision model's path is a .pt file, checked on load
+    the online user), ``model.gguf`` a file, not both; ``model=hf`` needs one of them. Checked here, not on
+    every client after the run started."""
+    if model.get("kind") != "causal_lm":  # a vision model's path is a .pt file, checked on load
+        return
+    path, gguf = model.get("path"), model.get("gguf")
+    if path and gguf:
+        raise ConfigError("model.path and model.gguf both name the weights; give one (model.gguf=FILE is converted "
+                          "once; `postcard convert --gguf FILE --out DIR` then model.path=DIR does it yourself)")
+    if gguf:
+        if not Path(str(gguf)).expanduser().is_file():
+            raise ConfigError(f"model.gguf '{gguf}' is not a file; give a .gguf file (absolute path)")
+        return
+    if not path:
+        if str(model.get("name")) == "hf" and not model.get("random_init"):
+            raise ConfigError("model=hf needs the model: model.path=/abs/hf/checkpoint (a folder with config.json, "
+                              "the weights and the tokenizer) or model.gguf=/abs/file.gguf")
         return
     text = str(path)
     local = text.startswith(("/", ".", "~")) or Path(text).expanduser().exists()
     if local and not (Path(text).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path '{text}' is not a Hugging Face checkpoint folder (no config.json there); "
-                          "give a folder holding config.json and the weights, or drop model.path for the embedded "
-                          "SmolLM2-135M")
+                          "give a folder holding config.json and the weights (`postcard convert --gguf FILE --out "
+                          "DIR` makes one from a GGUF file), or drop model.path for the embedded SmolLM2-135M")
+
+
+def _label_model(model) -> None:
+    """A causal LM given by ``model.path`` or ``model.gguf`` is named by itself, not by its config group:
+    ``model.name`` becomes the checkpoint's own name (``clients.models.llm.checkpoint_label``: its
+    config's ``_name_or_path``, the folder's name, or a fingerprint) or the GGUF file's, and
+    ``model.group`` keeps the group it was composed from (``model=hf``, ``model=smollm2``). So runs of
+    two checkpoints differ in their logs, run folders, ``summary.json`` and SmartFed's default pool."""
+    if model.get("kind") != "causal_lm" or model.get("random_init"):
+        return  # a random init's path holds only its tokenizer: the group names the model
+    from clients.models.llm import checkpoint_label, gguf_label
+
+    if model.get("path"):
+        label = checkpoint_label(model.path)
+    elif model.get("gguf"):
+        label = gguf_label(model.gguf)
+    else:
+        return
+    if "group" not in model:
+        model.group = str(model.name)
+    model.name = label
 
 
 def _check_robust(cfg: DictConfig) -> None:

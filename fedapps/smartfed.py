@@ -151,11 +151,24 @@ def pool_dir(cfg) -> Path:
     return Path(str(path)).expanduser().resolve() if path else default_pool_dir(str(cfg.model.name))
 
 
+def model_overrides(cfg) -> str:
+    """The overrides that name this run's backbone again (``postcard pool build ...``): its config group,
+    the checkpoint or GGUF file, a random init's seed."""
+    model = cfg.model
+    parts = [f"model={model.get('group') or model.name}"]
+    for key in ("path", "gguf"):
+        if model.get(key):
+            parts.append(f"model.{key}={model.get(key)}")
+    if model.get("random_init"):
+        parts.append(f"seed={cfg.seed}")
+    return " ".join(parts)
+
+
 def open_pool(cfg, fingerprint: str) -> tuple[Pool, list[str], dict[str, ExpertSet]]:
     """(pool, adapter names used, experts per target matrix) for this run, or a clear error."""
     path = pool_dir(cfg)
     build = "postcard pool build" + (f" --pool {path}" if cfg.algorithm.get("pool") else "")
-    build += f" model={cfg.model.name}" + (f" seed={cfg.seed}" if cfg.model.get("random_init") else "")
+    build += f" {model_overrides(cfg)}"
     if not (path / POOL_FILE).is_file():
         raise SmartFedError(
             f"no knowledge pool at {path}: fill it first with `{build}` "
@@ -169,10 +182,13 @@ def open_pool(cfg, fingerprint: str) -> tuple[Pool, list[str], dict[str, ExpertS
     if not names:
         raise SmartFedError(f"the knowledge pool {path} holds no adapter: fill it with `{build}` or `postcard pool add RUN_DIR`")
     if pool.fingerprint != fingerprint:
+        fresh = path.parent / f"{path.name}-{fingerprint[:8]}"  # beside this pool, named by the backbone
         raise SmartFedError(
             f"the knowledge pool {path} was built for backbone {pool.fingerprint} "
             f"({pool.signature['model_type']}, hidden {pool.signature['hidden_size']}, "
-            f"{pool.signature['num_hidden_layers']} layers), but model '{cfg.model.name}' has fingerprint {fingerprint}"
+            f"{pool.signature['num_hidden_layers']} layers), but model '{cfg.model.name}' has fingerprint "
+            f"{fingerprint}: point algorithm.pool=DIR at a pool built for this model, or build one with "
+            f"`postcard pool build --pool {fresh} {model_overrides(cfg)}` and run with algorithm.pool={fresh}"
         )
     wanted = cfg.algorithm.get("adapters")
     if wanted:

@@ -5,6 +5,7 @@
     postcard -m train.lr=1e-4,1e-3 preset=test                # a sweep over any key: a column per key
     postcard --cfg job                                        # check and print the composed config
     postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
+    postcard convert --gguf FILE --out DIR                    # a GGUF causal LM as a HF checkpoint (model=hf model.path=DIR)
     postcard pretrain task=cifar10                            # θ_pre for base=public (a task-pretrained base)
     postcard generate RUN_DIR "To be, or not"                 # a finished run's final model: a continuation,
     postcard evaluate RUN_DIR                                 # its held-out evaluation,
@@ -81,6 +82,10 @@ def main() -> None:
         from postcard.pool import main as pool_main
 
         raise SystemExit(pool_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "convert":  # a GGUF file -> a HF checkpoint folder
+        from postcard.convert import main as convert_main
+
+        raise SystemExit(convert_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "pretrain":  # θ_pre on the task's public split
         from postcard.pretrain import main as pretrain_main
 

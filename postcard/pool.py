@@ -16,7 +16,7 @@ fedprox and ffa-lora runs save one), with provenance read from the run's ``confi
 and ``summary.json``. An adapter for another backbone is refused.
 
 The pool of a model lives in ``$POSTCARD_CACHE/pool/<model name>`` unless ``--pool`` says
-otherwise; a SmartFed run finds it there (or at ``algorithm.pool``). Exit status 2 and a
+otherwise (the name of ``model=hf model.path=DIR`` is the checkpoint's own, e.g. the folder's); a SmartFed run finds it there (or at ``algorithm.pool``). Exit status 2 and a
 message on stderr for anything that cannot be done.
 """
 
@@ -90,7 +90,8 @@ def _open_or_create(path: Path, cfg):
         raise PoolCommandError(
             f"the pool {path} is for backbone {pool.fingerprint} ({pool.signature['model_type']}, hidden "
             f"{pool.signature['hidden_size']}, {pool.signature['num_hidden_layers']} layers); model "
-            f"'{cfg.model.name}' is {fingerprint}: an adapter for another backbone cannot join it"
+            f"'{cfg.model.name}' is {fingerprint}: an adapter for another backbone cannot join it; give this "
+            f"model a pool of its own with --pool DIR (then algorithm.pool=DIR in its SmartFed runs)"
         )
     ours = backbone_descriptor(cfg)
     for name in pool.names():

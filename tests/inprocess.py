@@ -42,13 +42,14 @@ def evaluate_round(cfg, strategy, server_round: int, nodes: dict) -> dict:
     return strategy.aggregate_evaluate(server_round, replies)
 
 
-def fake_pool(folder, model) -> str:
-    """A SmartFed pool holding one LoRA adapter on q/v of the tiny Llama (as a LoRA run leaves it)."""
+def fake_pool(folder, model, overrides=()) -> str:
+    """A SmartFed pool holding one LoRA adapter on q/v of the tiny Llama, or of the model ``overrides`` name
+    (``model``: that backbone), as a LoRA run leaves it."""
     from clients.adapters import apply_lora
     from fedapps.config import compose
     from postcard import pool as pool_cli
 
-    cfg = compose(["algorithm.lora.target_modules=[q_proj,v_proj]"], preset="test")
+    cfg = compose(["algorithm.lora.target_modules=[q_proj,v_proj]", *overrides], preset="test")
     run = folder / "run"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(to_yaml(cfg))

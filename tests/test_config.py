@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_choice_composes(group):
+def test_every_choice_composes(group, tmp_path):
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text('{"model_type": "llama"}')
     for choice in choices(group):
         groups = {group: choice}
         overrides = []
@@ -22,6 +24,8 @@ def test_every_choice_composes(group):
                 groups["task"] = "cifar10"
             if choice == "resnet18-gn":  # composes only with its checkpoint named
                 overrides.append("model.path=/abs/resnet18_gn.pt")
+        if group == "model" and choice == "hf":  # any HF causal LM: composes only with its checkpoint named
+            overrides.append(f"model.path={tmp_path / 'my-model'}")
         if group == "base" and choice == "public":  # pretrains a vision backbone on an image task
             groups.update(task="cifar10", model="tiny-cnn", algorithm="fedavg-full")
         if group == "algorithm" and choice == "fedavg-full":
@@ -29,7 +33,8 @@ def test_every_choice_composes(group):
         cfg = compose(overrides, **groups)
         if group == "preset":
             continue
-        assert cfg[group].name == choice
+        # a model given by its checkpoint is named by itself; model.group keeps its config group
+        assert (cfg.model.get("group", cfg.model.name) if group == "model" else cfg[group].name) == choice
 
 
 def test_overrides_reach_deep_keys():
