@@ -1,7 +1,8 @@
 """A catalogue of malformed and hostile replies, and a harness that drives each through every strategy.
 
-Used by ``tests/test_hostile.py`` (every kind × every strategy, in CI) and by
-``bench/fuzz_table.py`` (the table in docs/robustness.md). numpy level: no model.
+Used by ``tests/test_hostile.py`` (every kind × every strategy it can be sent to,
+:func:`applicable_cases`, in CI) and by ``bench/fuzz_table.py`` (the table in
+docs/robustness.md). numpy level: no model.
 
 One case = one strategy (:data:`SPECS`) and one kind (:data:`KINDS`):
 
@@ -22,6 +23,7 @@ downlink decodes to finite values.
 from __future__ import annotations
 
 import copy
+import functools
 import struct
 import uuid
 from collections.abc import Callable
@@ -600,11 +602,29 @@ def _run_rounds(spec: Spec, robustness=None):
     return strategy, reference, probe, Ctx(spec, strategy, requests, honest, round1)
 
 
+@functools.cache
+def _built(spec_name: str) -> PayloadFedAvg:
+    return SPEC_BY_NAME[spec_name].build()
+
+
+def applies(spec: Spec, kind: Kind) -> bool:
+    """Whether ``kind`` can be sent to ``spec``'s strategy at all (its wire format, layout, method),
+    decided on a freshly built strategy: no round is run (a kind's ``applies`` reads only what
+    the strategy is built with)."""
+    return kind.applies(spec, _built(spec.name))
+
+
+def applicable_cases() -> list[tuple[Spec, Kind]]:
+    """Every (strategy, kind) pair that can happen, kind-major: the cases tests/test_hostile.py runs."""
+    return [(spec, kind) for kind in KINDS for spec in SPECS if applies(spec, kind)]
+
+
 def run_case(spec: Spec, kind: Kind, robustness=None) -> Result:
-    """Drive one kind through one strategy; raises AssertionError where the outcome is wrong."""
-    strategy, reference, probe, ctx = _run_rounds(spec, robustness)
-    if not kind.applies(spec, strategy):
+    """Drive one kind through one strategy; raises AssertionError where the outcome is wrong.
+    ``n/a`` (nothing built, no round run) where the kind cannot be sent to the strategy."""
+    if not applies(spec, kind):
         return Result("n/a")
+    strategy, reference, probe, ctx = _run_rounds(spec, robustness)
     replies = kind.make(ctx)
     strategy.aggregate_train(2, replies)  # must not raise, whatever the replies hold
     counted = [ctx.honest[n] for n in kind.reference]
