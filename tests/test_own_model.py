@@ -19,23 +19,17 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
-    """A tiny Gemma-3 (2 layers: one sliding-window local, one global; d=64) with SmolLM2's tokenizer, as
-    ``save_pretrained`` leaves a checkpoint: ``model=hf model.path=<this folder>``."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    """``model=tiny-gemma3`` (conf/model/tiny-gemma3.yaml: 2 layers, one sliding-window local and one global,
+    q/k norms, tied embeddings, d=64, SmolLM2's tokenizer) saved as ``save_pretrained`` leaves a checkpoint:
+    ``model=hf model.path=<this folder>``."""
+    from clients.models.llm import load_causal_lm
 
-    from clients.models.llm import causal_lm_config
-
-    tok = causal_lm_config(compose(preset="test").model)[1]
-    config = Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model, tok = load_causal_lm(compose(model="tiny-gemma3", preset="test").model, seed=0)
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.tie_word_embeddings
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] and model.config.sliding_window == 16
+    assert model.model.layers[0].self_attn.q_norm is not None
     folder = tmp_path_factory.mktemp("models") / "tiny-gemma3"
-    state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(config).save_pretrained(folder)
-    torch.random.set_rng_state(state)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -116,6 +110,13 @@ def test_model_gguf_is_converted_once_into_the_cache_and_names_the_run(gemma_dir
     model, _ = load_causal_lm(cfg.model)
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert checkpoint_path(cfg.model) == folder and len(calls) == 1  # once
+    # a LoRA run's adapter names the conversion as its base (the GGUF file names no HF model)
+    from clients.adapters import all_lora_state
+    from fedapps.baselines import prepare, save_adapter
+
+    lora, _, _ = prepare(cfg)
+    save_adapter(lora, cfg, {k: v.numpy() for k, v in all_lora_state(lora).items()}, tmp_path)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == folder
 
 
 # --------------------------------------------------------------------------- postcard convert

@@ -111,16 +111,17 @@ def causal_lm_config(model_cfg):
     assets.force_offline()
     random_init = model_cfg.get("random_init")
     if random_init:
-        # a tiny Llama with the embedded tokenizer: same data path as SmolLM2, seconds to train
+        # a tiny Llama (or model.random_init.model_type's architecture) with the embedded tokenizer: same
+        # data path as SmolLM2, seconds to train
         tok = _tokenizer(str(assets.smollm2_checkpoint()) if not model_cfg.get("path") else checkpoint_path(model_cfg))
-        config = LlamaConfig(
-            vocab_size=len(tok),
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=True,
-            **dict(random_init),
-        )
+        settings = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+        from omegaconf import OmegaConf
+
+        plain = OmegaConf.to_container(random_init, resolve=True) if OmegaConf.is_config(random_init) else dict(random_init)
+        settings.update({k: v for k, v in plain.items() if k != "model_type"})
+        model_type = random_init.get("model_type")  # null = Llama; e.g. gemma3_text (conf/model/tiny-gemma3.yaml)
+        config = AutoConfig.for_model(str(model_type), **settings) if model_type else LlamaConfig(**settings)
         return config, tok
     path = checkpoint_path(model_cfg)
     try:
