@@ -46,13 +46,13 @@ def synthetic_state(mode="experts+router"):
     return ExpertState.initial(layout, experts, router_seed=0, router_std=0.1)
 
 
-def make_strategy(mode="experts+router", budget=4):
+def make_strategy(mode="experts+router", budget=4, **kw):
     state = synthetic_state(mode)
     records = []
     eeqa = EEQA(state.layout.num_experts, budget, min_per_matrix=1)
     strategy = SmartFedStrategy(
         state=state, eeqa=eeqa, backbone_fingerprint="f" * 16, config_yaml="a: 1\n", num_clients=2,
-        on_round_end=records.append,
+        on_round_end=records.append, **kw,
     )
     return strategy, records
 
@@ -102,7 +102,9 @@ def test_downlink_carries_only_the_active_experts_and_the_backbone_fingerprint()
 
 
 def test_sparse_aggregation_moves_only_updated_experts_and_reallocates():
-    strategy, records = make_strategy(budget=4)
+    from strategies.robust import Robustness
+
+    strategy, records = make_strategy(budget=4, robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))  # robust=off: the exact weighted mean
     before = strategy.state.copy()
     sent = {m: list(v) for m, v in strategy.allocation.active.items()}
     a = codec.encode(update_for(strategy, scale=1.0))
