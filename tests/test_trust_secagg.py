@@ -18,6 +18,7 @@ from strategies.base import PayloadFedAvg
 from strategies.secagg import SecAggError
 from strategies.secure_round import (KEYS, RECORD, SHARES, UNMASK, SecureSettings, client_keys, client_shares,
                                      local_round)
+from test_secure_round import plain_mean
 
 STATE = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}
 P = 2**255 - 19
@@ -41,14 +42,9 @@ def updates_for(nodes):
     return {v: {k: np.random.default_rng(v).normal(0, 0.05, s.shape) for k, s in STATE.items()} for v in nodes}
 
 
-def mean_of(updates, nodes, fixed):
+def mean_of(updates, nodes):
     """The mean the server must reach: the honest clients' quantised updates (as local_round draws them)."""
-    decoded = []
-    for v in nodes:
-        flat = np.concatenate([np.asarray(updates[v][k], np.float64).ravel() for k in sorted(updates[v])])
-        levels, _ = fixed.encode(flat, np.random.default_rng(v))
-        decoded.append(levels * fixed.step - fixed.clip)
-    return np.mean(decoded, axis=0)
+    return plain_mean(strategy(), {v: updates[v] for v in nodes}, nodes)
 
 
 def flat(state):
@@ -70,8 +66,7 @@ def test_a_low_order_or_non_canonical_key_is_refused_by_name_and_the_round_compl
 
     local_round(strat, updates, hostile={KEYS: bad_key})
     honest = [3, 9, 20]
-    fixed = strat.secure.fixed_point(3)
-    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, honest, fixed), atol=1e-6)
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, honest), atol=1e-6)
     refused = strat._round["refused"]
     assert [r["node_id"] for r in refused] == [14] and r_kind(refused) == {"secagg"}
     assert "X25519 key" in refused[0]["reason"]
@@ -108,7 +103,7 @@ def test_a_holder_revealing_another_holders_index_is_named_and_the_round_complet
         record["shares"] = np.random.default_rng(0).bytes(len(record["shares"]))
 
     local_round(strat, updates, hostile={UNMASK: relabel})
-    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes, strat.secure.fixed_point(5)),
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes),
                                atol=1e-6)
     refused = strat._round["refused"]
     assert [r["node_id"] for r in refused] == [9] and "index 1, its own is 2" in refused[0]["reason"]
@@ -125,7 +120,7 @@ def test_a_holder_lying_about_its_shares_at_n16_is_named_at_once_and_the_round_c
     start = time.perf_counter()
     local_round(strat, updates, hostile={UNMASK: lie})
     finish = time.perf_counter() - start
-    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes, strat.secure.fixed_point(16)),
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes),
                                atol=1e-6)
     refused = strat._round["refused"]
     assert [r["node_id"] for r in refused] == [1] and "is not the one node" in refused[0]["reason"]
@@ -169,7 +164,7 @@ def test_a_dealer_whose_shares_do_not_give_its_commitment_is_excluded_from_the_r
     assert again.banned == strat.banned  # a resumed run keeps it out too
     local_round(strat, updates_for([3, 9, 20]), server_round=2)
     np.testing.assert_allclose(flat(strat.global_state),
-                               mean_of(updates_for([3, 9, 20]), [3, 9, 20], strat.secure.fixed_point(3)), atol=1e-6)
+                               mean_of(updates_for([3, 9, 20]), [3, 9, 20]), atol=1e-6)
 
 
 def test_a_server_cannot_lower_the_threshold():
