@@ -352,7 +352,7 @@ def _label_model(model) -> None:
     two checkpoints differ in their logs, run folders, ``summary.json`` and SmartFed's default pool."""
     if model.get("kind") != "causal_lm" or model.get("random_init"):
         return  # a random init's path holds only its tokenizer: the group names the model
-    from clients.models.llm import checkpoint_label, gguf_label
+    from clients.models.names import checkpoint_label, gguf_label
 
     if model.get("path"):
         label = checkpoint_label(model.path)
