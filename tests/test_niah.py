@@ -2,8 +2,10 @@
 
 import random
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from clients.tasks.niah import (
     DEPTHS,
@@ -23,16 +25,14 @@ def char_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
-def test_seven_templates():
-    assert TEMPLATES == (
-        "passkey",
-        "uuid-code",
-        "name-date",
-        "phrase-code",
-        "counter-state",
-        "multi-key",
-        "multi-value",
-    )
+def test_the_configured_templates_are_generated_and_an_unknown_one_is_refused():
+    # what a user runs: conf/task/niah.yaml's seven templates (one per client), each generated as named
+    configured = yaml.safe_load(open(Path(__file__).parents[1] / "conf" / "task" / "niah.yaml"))["templates"]
+    assert len(configured) == 7 and set(configured) == set(TEMPLATES)
+    for template in configured:
+        assert make_example(template, 1024, random.Random(0), whitespace_tokens)["template"] == template
+    with pytest.raises(ValueError, match="unknown NIAH template 'pass-key'; choose one of"):
+        make_example("pass-key", 1024, random.Random(0), whitespace_tokens)
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
