@@ -394,7 +394,7 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
     verified shares give the secret. SecAggError when fewer than ``threshold`` clients revealed
     or a secret has fewer than ``threshold`` verified shares; :class:`SecAggCheat` naming the
     dealer when its verified shares disagree or do not give the secret it committed to, or when
-    more than ``n − threshold`` of the revealing holders hold no valid share of it (an honest
+    more than ``max(n − threshold, 1)`` of the revealing holders hold no valid share of it (an honest
     holder reveals every share that matches its dealer's digest, so only a dealer that dealt bad
     shares, or more dishonest holders than the threshold tolerates, can cause that)."""
     uploaded = sorted(int(v) for v in masked)
@@ -438,7 +438,9 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
             message = (f"the {what} of node {owner} cannot be reconstructed: {len(pieces)} verified shares, "
                        f"fewer than the threshold {threshold}")
             withheld = sum(1 for mine in good.values() if owner not in mine)
-            if withheld > len(order) - threshold:  # more holders than the threshold tolerates: not their fault
+            # more holders than the threshold tolerates, and more than one (one dishonest holder must not be
+            # able to frame an honest dealer, even at t = n): the dealer's fault
+            if withheld > max(len(order) - threshold, 1):
                 why = f"{withheld} holders had no valid share of it (it dealt them bad shares)"
                 raise SecAggCheat(f"{message}; node {owner} cheated: {why}", {owner: why})
             raise SecAggError(message)

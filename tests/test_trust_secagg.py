@@ -198,3 +198,21 @@ def test_every_x25519_low_order_input_is_refused_and_a_real_key_accepted():
             secagg.check_public_key(key_bytes(u), "key")
     good = secagg.ClientSecrets.new().public_keys()
     assert secagg.check_public_key(good[0], "key") == good[0]
+
+
+def test_one_holder_withholding_a_share_cannot_frame_an_honest_dealer_even_at_t_equal_n():
+    nodes = [3, 9, 14]
+    strat, updates = strategy(threshold=3, clients=3), updates_for(nodes)
+
+    def withhold(replies):  # node 9 leaves node 3's share out of its reveal
+        record = by_node(replies, 9).content[RECORD]
+        owners, indices = record["owners"].split(","), record["indices"].split(",")
+        keep = [i for i, o in enumerate(owners) if o != "3"]
+        record["owners"] = ",".join(owners[i] for i in keep)
+        record["indices"] = ",".join(indices[i] for i in keep)
+        record["kinds"] = "".join(record["kinds"][i] for i in keep)
+        record["shares"] = b"".join(record["shares"][16 * i:16 * i + 16] for i in keep)
+
+    local_round(strat, updates, hostile={UNMASK: withhold})
+    assert np.all(flat(strat.global_state) == 0)  # t = n: with one share missing the round cannot finish
+    assert strat.banned == {}  # and nobody is blamed for it: node 3 dealt honestly
