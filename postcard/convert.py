@@ -6,7 +6,7 @@
 
 The weights are dequantised to fp32 and saved as safetensors with ``config.json`` and the
 tokenizer, through transformers' GGUF loader (the architectures it lists: ``--list``; Llama, Gemma-3,
-Qwen2/3, Mistral, Phi-3 among them; tested here on the embedded SmolLM2, a Llama), so the folder works as ``model=hf model.path=DIR`` (every method) and
+Qwen2/3, Mistral, Phi-3 among them; tested on the embedded SmolLM2, a Llama, and a tiny Gemma-3), so the folder works as ``model=hf model.path=DIR`` (every method) and
 with ``AutoModelForCausalLM.from_pretrained(DIR)``; the run is labelled by the folder's name.
 ``model=hf model.gguf=FILE`` does the same conversion once, into ``$POSTCARD_CACHE``, by itself.
 DIR must not exist or be empty. Exit status 2 and one line on stderr when a file cannot be converted.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,6 +161,88 @@ def test_postcard_convert_refuses_in_one_line(tmp_path, capsys):
     finally:
         sys.argv = old
     assert code.value.code == 0 and {"llama", "gemma3"} <= set(capsys.readouterr().out.strip().split(", "))
+
+
+def _gemma3_gguf(path):
+    """A tiny Gemma-3 written as llama.cpp writes one (GGUF tensor names, norms stored as 1 + w, a
+    sentencepiece vocabulary: specials, byte tokens, a few words), and its HF state dict."""
+    import gguf
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    words = ["\u2581the", "\u2581of", "\u2581and", "\u2581to", "\u2581a", "\u2581in", "\u2581I", "\u2581you", "\u2581"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    config = Gemma3TextConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                              sliding_window=16, query_pre_attn_scalar=16, rope_theta=10000.0,
+                              tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.1)  # not the zero init, so the +1/-1 of GGUF's norms is checked
+    torch.random.set_rng_state(state)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_name("tiny-gemma3")
+    writer.add_context_length(512)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(16)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(words))])
+    writer.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * len(words))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    writer.add_unk_token_id(3)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 2)
+    for name, tensor in model.state_dict().items():
+        if name != "lm_head.weight":  # tied: GGUF has no output.weight
+            array = tensor.float().numpy().copy()
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array + 1 if "norm" in name else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model.state_dict()
+
+
+def test_postcard_convert_and_model_gguf_read_a_gemma3_gguf(tmp_path, monkeypatch):
+    """A Gemma-3 GGUF becomes a Gemma3ForCausalLM checkpoint with the same weights and a tokenizer that adds
+    the BOS, by `postcard convert` and by model.gguf (converted once into the cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from clients.models.llm import checkpoint_path, load_causal_lm
+    from postcard.convert import main
+
+    gguf_file, state = _gemma3_gguf(tmp_path / "tiny-gemma3-F32.gguf")
+    out = tmp_path / "gemma-mine"
+    assert main(["--gguf", str(gguf_file), "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.sliding_window == 16
+    assert model.config.tie_word_embeddings
+    ours = model.state_dict()
+    assert all(torch.allclose(state[k], ours[k], atol=1e-6) for k in state), "weights changed in conversion"
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok(" the of").input_ids[0] == tok.bos_token_id == 2
+    assert compose([f"model.path={out}"], model="hf", preset="test").model.name == "gemma-mine"
+
+    monkeypatch.setenv("POSTCARD_CACHE", str(tmp_path / "cache"))
+    cfg = compose([f"model.gguf={gguf_file}"], model="hf", preset="test")
+    assert cfg.model.name == "tiny-gemma3-F32"
+    loaded, _ = load_causal_lm(cfg.model)
+    assert type(loaded).__name__ == "Gemma3ForCausalLM"
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert (tmp_path / "cache").resolve() in Path(checkpoint_path(cfg.model)).resolve().parents
 
 
 @pytest.mark.slow
