@@ -14,15 +14,22 @@ One round, with ``n`` clients and threshold ``t``:
 2. *shares*: each client draws a self-mask seed ``b`` (16 bytes), splits ``b`` and its ``s``
    private key (2 × 16 bytes) into ``n`` Shamir shares with threshold ``t``, and sends share
    ``i`` to the client of index ``i``, encrypted under their agreed ``c`` key; the server only
-   relays ciphertexts (it also keeps a SHA-256 commitment to ``b``, to check a reconstruction).
+   relays ciphertexts (it also keeps a SHA-256 commitment to ``b``, to check a reconstruction,
+   and the SHA-256 digest of every share dealt, :func:`share_digest`, relayed to each holder
+   with its shares). Every public key is checked first: canonical and not of low order.
 3. *masked input*: each client quantises its values to ``bits``-bit integers over a
    server-announced range (:class:`FixedPoint`, stochastic rounding: unbiased) and adds, mod
    ``2^k``, the self mask ``PRG(b)`` and, for every other client ``v``, ``±PRG(s_uv)``
    (``+`` when ``u < v``): pairwise masks cancel in the sum.
 4. *unmask*: the server names who uploaded (``U3``) and who did not; each surviving client
    returns its shares of ``b`` of the uploaders and of the ``s`` key of the others (never
-   both of one client). With ``t`` shares each, the server removes the self masks and the
-   dropped clients' pairwise masks: what is left is the sum, mod ``2^k``.
+   both of one client), only shares that open and match their dealer's digest. The server reads
+   each share at its holder's own index and checks it against the digest: a holder that lies is
+   named and set aside, and any ``t`` verified shares give the secret (no search). With them it
+   removes the self masks and the dropped clients' pairwise masks: what is left is the sum, mod
+   ``2^k``. A dealer whose verified shares do not give what it committed to is named
+   (:class:`SecAggCheat`): its round cannot be unmasked, and the strategy excludes it from the run.
+   ``t`` is a majority of the advertised participants (``2t > n``).
 
 ``k = bits + ⌈log2 n⌉``, so the sum of ``n`` honest values never wraps: int4 values sum in one
 byte for up to 16 clients. Whatever a client sends, its contribution is one value mod ``2^k``
