@@ -197,3 +197,13 @@ def test_metrics_png_has_integer_round_ticks_and_the_runs_identity_in_its_title(
     assert ticks == [0, 1, 2]
     assert fig._suptitle.get_text() == "flite · tiny-llama · shakespeare"
     plt.close(fig)
+
+
+def test_the_ratio_to_fedavg_lora_is_not_rounded_before_it_is_inverted():
+    """648 B against 9,768,960 B is 15,076x fewer (the table said 15,152: the ratio was rounded to 6 decimals)."""
+    from fedapps.outputs import comparison_rows
+
+    runs = [{"algorithm": name, "uplink_bytes_per_client_round": up, "config": {}}
+            for name, up in (("fedavg-lora", 9_768_960), ("flite", 648))]
+    assert comparison_rows(runs)[1]["uplink_vs_fedavg_lora"] == pytest.approx(648 / 9_768_960, rel=1e-5)
+    assert f"{1 / comparison_rows(runs)[1]['uplink_vs_fedavg_lora']:,.0f}" == "15,076"
