@@ -61,6 +61,8 @@ def test_run_config_maps_to_groups_and_overrides():
          "overrides": "rounds=5 train.lr=2e-4", "output-dir": "/tmp/somewhere"}
     )
     assert (cfg.algorithm.name, cfg.task.name, cfg.rounds, cfg.output_dir) == ("fedprox", "mmlu", 5, "/tmp/somewhere")
+    # every override of the space-separated string applies, not only the first
+    assert cfg.train.lr == pytest.approx(2e-4) and compose().train.lr != pytest.approx(2e-4)
 
 
 @pytest.mark.parametrize(
