@@ -122,11 +122,31 @@ def rebase_images(text: str, source: Path) -> str:
     return re.sub(r"(!\[[^\]]*\])\(([^)]+)\)", fix, text)
 
 
+PROTOCOL = """## Protocol (issue #43; fixed 2026-12-04, before any re-run under it)
+
+Every comparison between methods follows one protocol, in code in `bench/protocol.py`:
+hyperparameters are chosen on a validation split carved from the clients' own training data,
+never on test items; every arm gets the same tuning budget over a grid that brackets its best
+value (the best may not sit at an edge); tuning seeds and evaluation seeds are disjoint, and the
+tuned settings and evaluation seeds go into a protocol file committed before the evaluation
+runs; every table has a no-training arm (round 0 / θ_pre) and a byte-matched baseline; and
+"met" has one meaning — `protocol.verdict`: the 95% interval's bound clears a margin stated in
+advance (non-inferiority at the margin, superiority strictly above it; one seed alone is at
+most "not shown"), used by `bench/flite.py` and `bench/smartfed.py` alike.
+`.venv/bin/python bench/protocol.py check PROTOCOL.json` refuses (exit 2, one line) a protocol
+whose seeds overlap, whose best value sits at a grid edge, whose budgets differ, that was tuned
+on the test split, states no margin, or lacks the no-training arm (tests/test_protocol.py).
+The reports collected below were made before this protocol existed: their tuning is described
+in each method's doc (docs/flite.md, docs/smartfed.md, docs/fednl.md), and their headline
+comparisons are yet to be re-run under it.
+"""
+
+
 def main() -> int:
     lines = ["# Benchmarks", "",
              f"Collected by `bench/collect.py` on {time.strftime('%Y-%m-%d')} ({machine()}). `make bench` runs every "
              "benchmark script, then this one; each section below is the report its script last wrote, with the "
-             "exact command (and settings) that made it.", ""]
+             "exact command (and settings) that made it.", "", PROTOCOL]
     for title, path, command, markers in REPORTS:
         text = section(path, markers)
         lines += [f"## {title}", ""]

@@ -54,6 +54,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import protocol  # noqa: E402  bench/protocol.py: the one rule for "met"
 
 # method -> (algorithm, overrides, default learning rate)
 METHODS = {
@@ -251,13 +254,13 @@ def gap_interval(method_runs: list[dict], ref_runs: list[dict]) -> tuple[float, 
 
 # ---------------------------------------------------------------------------- report
 def verdict(gap: float, interval: tuple[float, float, float] | None, margin: float = -1.0) -> str:
-    """Non-inferiority at ``margin`` pp: met only when the whole 95% interval lies above it."""
-    if interval is not None and interval[1] >= margin:
-        return "met"
-    if gap >= margin:
+    """Non-inferiority at ``margin`` pp by the protocol's one rule (``bench/protocol.py``): met only
+    when the whole 95% interval lies above it; ``interval`` is (mean, low, high)."""
+    result = protocol.verdict(gap, None if interval is None else interval[1:], margin, kind="non-inferiority")
+    if result == "not shown":
         return ("not shown: the point estimate is within the margin, the interval reaches "
                 f"{interval[1]:+.1f} pp" if interval is not None else "not shown: one seed, the point estimate is within")
-    return "not met"
+    return result
 
 
 def fmt_bytes(value: float) -> str:

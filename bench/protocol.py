@@ -1,0 +1,125 @@
+"""The evidence protocol every comparison in bench/ follows (docs/benchmarks.md, "Protocol").
+
+One rule for "met", and the checks a protocol file must pass before its evaluation runs:
+
+* :func:`verdict` — superiority or non-inferiority judged by the 95% interval's bound against a
+  margin stated in advance: ``met`` only when the whole interval clears the margin, ``not met``
+  when the point estimate does not, ``not shown`` in between (the same function for every method).
+* :func:`check` — a protocol (a JSON file committed before the evaluation runs) is refused when
+  its tuning and evaluation seeds overlap, when an arm's best value sits at the edge of its grid
+  (the grid does not bracket it: extend it), when the arms' tuning budgets differ, or when it has
+  no no-training arm (round 0 / θ_pre).
+
+    .venv/bin/python bench/protocol.py check PROTOCOL.json   # exit 0, or 2 with one line saying why
+
+A protocol file::
+
+    {"tuning_seeds": [100, 101], "evaluation_seeds": [0, 1, 2, 3, 4],
+     "split": "validation",                      # where the grids were scored: never "test"
+     "margin": -1.0, "kind": "non-inferiority",  # stated before the evaluation
+     "arms": {"flite-int4": {"grid": {"train.lr": [1e-3, 3e-3, 1e-2]}, "best": {"train.lr": 3e-3}},
+              "fedavg-full": {"grid": {"train.lr": [3e-5, 1e-4, 3e-4]}, "best": {"train.lr": 1e-4}},
+              "theta-pre": {"no_training": true}},
+     "changes_after_results": ["..."]}           # every change made after a result was seen
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+KINDS = ("non-inferiority", "superiority")
+
+
+class ProtocolError(ValueError):
+    """A protocol or report that a skeptical reviewer would reject (says why, in one line)."""
+
+
+def verdict(estimate: float, interval: Sequence[float] | None, margin: float, *, kind: str = "non-inferiority",
+            higher_is_better: bool = True) -> str:
+    """``met`` / ``not shown`` / ``not met`` for a difference (method − baseline) with its 95%
+    interval ``(low, high)``. Non-inferiority: the difference must be shown above ``margin`` (a
+    negative number for "at most this much worse"); superiority: above ``max(margin, 0)``.
+    ``higher_is_better=False`` (perplexity, loss): the difference and its interval are read with
+    the sign flipped. Met only when the interval's bound clears the margin; one estimate alone
+    (``interval`` None) is never met."""
+    if kind not in KINDS:
+        raise ProtocolError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    if not math.isfinite(float(estimate)):
+        raise ProtocolError(f"the estimate must be a finite number, got {estimate!r}")
+    sign = 1.0 if higher_is_better else -1.0
+    bound = float(margin) if kind == "non-inferiority" else max(float(margin), 0.0)
+
+    def clears(value: float) -> bool:  # non-inferiority: at the margin counts; superiority: strictly above
+        return value >= bound if kind == "non-inferiority" else value > bound
+
+    if interval is not None and clears(min(sign * float(v) for v in interval[:2])):
+        return "met"
+    return "not shown" if clears(sign * float(estimate)) else "not met"
+
+
+def _budget(grid: Mapping[str, Sequence]) -> int:
+    return math.prod(len(v) for v in grid.values()) if grid else 0
+
+
+def check(protocol: Mapping) -> None:
+    """Refuse (ProtocolError, one line) a protocol a reviewer would reject; see the module docstring."""
+    tuning = {int(s) for s in protocol.get("tuning_seeds") or []}
+    evaluation = {int(s) for s in protocol.get("evaluation_seeds") or []}
+    if not evaluation:
+        raise ProtocolError("no evaluation seeds")
+    if tuning & evaluation:
+        raise ProtocolError(f"tuning and evaluation seeds overlap: {sorted(tuning & evaluation)} (tune on other seeds)")
+    if str(protocol.get("split", "validation")) == "test":
+        raise ProtocolError("the grids were scored on the test split: tune on a validation split")
+    if protocol.get("kind", "non-inferiority") not in KINDS:
+        raise ProtocolError(f"kind must be one of {list(KINDS)}, got {protocol.get('kind')!r}")
+    if not isinstance(protocol.get("margin"), (int, float)):
+        raise ProtocolError("no margin stated in advance")
+    arms = protocol.get("arms") or {}
+    if not any(bool(arm.get("no_training")) for arm in arms.values()):
+        raise ProtocolError("no no-training arm (round 0 / θ_pre): every table needs one")
+    budgets = {}
+    for name, arm in arms.items():
+        if arm.get("no_training"):
+            continue
+        grid, best = arm.get("grid") or {}, arm.get("best") or {}
+        for key, values in grid.items():
+            values = sorted(float(v) for v in values)
+            if key not in best:
+                raise ProtocolError(f"arm '{name}': no best value of {key}")
+            if float(best[key]) not in values:
+                raise ProtocolError(f"arm '{name}': its best {key} = {best[key]} is not on its grid {values}")
+            if len(values) < 3 or float(best[key]) in (values[0], values[-1]):
+                raise ProtocolError(f"arm '{name}': its best {key} = {best[key]} sits at the edge of {values}: "
+                                    "extend the grid until the best value is inside it")
+        budgets[name] = _budget(grid)
+    if len(set(budgets.values())) > 1:
+        raise ProtocolError(f"the arms' tuning budgets differ: {budgets} grid points (give every arm the same)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Check a protocol file before its evaluation runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    checking = sub.add_parser("check", help="refuse (exit 2, one line) a protocol a reviewer would reject")
+    checking.add_argument("file", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        check(json.loads(args.file.read_text()))
+    except (OSError, json.JSONDecodeError) as err:
+        print(f"protocol: cannot read {args.file}: {err}", file=sys.stderr)
+        return 2
+    except ProtocolError as err:
+        print(f"protocol: refused: {err}", file=sys.stderr)
+        return 2
+    print(f"protocol: {args.file} passes (tuning and evaluation seeds disjoint, grids bracket their best values, "
+          "equal budgets, a no-training arm)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
