@@ -164,11 +164,16 @@ def run_all(args) -> dict:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "lr"}
     results = {"runs": {}, "settings": settings}
     if args.base == "public":  # θ_pre once, before the runs (each would otherwise wait on the first)
+        import hashlib
+
         from clients.pretrain import ensure_base, read_report
 
         cfg = config_for(args, args.methods[0], args.partitions[0], 0)  # θ_pre does not depend on the method
-        log(f"θ_pre: {ensure_base(cfg)}")
+        path = ensure_base(cfg)
+        log(f"θ_pre: {path}")
         results["base"] = read_report(cfg)
+        # θ_pre is not bit-reproducible across CPUs: the report names the very file, and --merge refuses another
+        results["base"]["sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     jobs = [(p, m, seed) for p in args.partitions for m in args.methods for seed in seeds_of(args, m)]
     for done, (partition, method, seed) in enumerate(jobs, 1):
         cfg = config_for(args, method, partition, seed)
@@ -207,6 +212,11 @@ def merge(paths: list[Path]) -> dict:
         if differ:
             raise SystemExit(f"bench/flite.py --merge: {path} differs from {paths[0]} in {', '.join(differ)}: "
                              "not parts of one benchmark")
+        theirs, ours = (part.get("base") or {}).get("sha256"), (parts[0].get("base") or {}).get("sha256")
+        if theirs != ours:
+            raise SystemExit(f"bench/flite.py --merge: {path} was made from θ_pre {str(theirs)[:12]}, {paths[0]} from "
+                             f"{str(ours)[:12]}: not the same base model (pretraining is not bit-reproducible across "
+                             "CPUs; run every part on one θ_pre file)")
         merged["runs"].update(part["runs"])
         for key in ("methods", "partitions"):
             merged["settings"][key] = list(dict.fromkeys([*merged["settings"][key], *part["settings"][key]]))
@@ -291,7 +301,8 @@ def report(results: dict, command: str, machine: str) -> str:
         b = results["base"]
         lines += [f"θ_pre: {b['public_images']} public images ({100 * b['settings']['task']['public_fraction']:.0f}% "
                   f"of every class, disjoint from the clients'), {b['settings']['base']['steps']} steps; held-out "
-                  f"public accuracy {b['accuracy_before']:.3f} → {b['accuracy_after']:.3f} ({b['seconds']:.0f} s).", ""]
+                  f"public accuracy {b['accuracy_before']:.3f} → {b['accuracy_after']:.3f} ({b['seconds']:.0f} s); "
+                  f"file sha256 {b.get('sha256', 'not recorded (a report made before 2026-12-04)')}.", ""]
     verdicts = []
     for partition in s["partitions"]:
         ref = groups.get((partition, REFERENCE))

@@ -77,3 +77,23 @@ def test_the_command_refuses_in_one_line_with_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "seeds overlap: [100]" in err
     assert protocol.main(["check", str(tmp_path / "missing.json")]) == 2
+
+
+def test_flite_parts_made_from_different_base_files_are_not_merged(tmp_path):
+    """θ_pre is not bit-reproducible across CPUs: a report names its file's sha256 and parts of two bases refuse."""
+    import flite
+
+    settings = {"rounds": 8, "steps": 10, "batch_size": 32, "clients": 4, "base": "public", "task": "cifar10",
+                "overrides": [], "methods": ["flite-int4"], "partitions": ["iid"]}
+
+    def part(name, sha, seed):
+        run = {"method": "flite-int4", "partition": "iid", "seed": seed, "lr": 3e-3}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"runs": {f"iid/flite-int4/{seed}": run}, "settings": settings,
+                                    "base": {"sha256": sha}}))
+        return path
+
+    a, b, c = part("a", "aa" * 32, 0), part("b", "aa" * 32, 1), part("c", "bb" * 32, 2)
+    assert len(flite.merge([a, b])["runs"]) == 2
+    with pytest.raises(SystemExit, match="made from θ_pre bbbbbbbbbbbb"):
+        flite.merge([a, c])
