@@ -42,6 +42,17 @@ def evaluate_round(cfg, strategy, server_round: int, nodes: dict) -> dict:
     return strategy.aggregate_evaluate(server_round, replies)
 
 
+def pool_overrides(algorithm: str, folder) -> list[str]:
+    """What ``algorithm`` needs to run on the test preset's model: SmartFed a pool (:func:`fake_pool`)."""
+    if algorithm != "smartfed":
+        return []
+    from clients.models.llm import load_causal_lm
+    from fedapps.config import compose
+
+    base = compose(preset="test")
+    return [f"algorithm.pool={fake_pool(folder, load_causal_lm(base.model, seed=int(base.seed))[0])}"]
+
+
 def fake_pool(folder, model, overrides=()) -> str:
     """A SmartFed pool holding one LoRA adapter on q/v of the tiny Llama, or of the model ``overrides`` name
     (``model``: that backbone), as a LoRA run leaves it."""

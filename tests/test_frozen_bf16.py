@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from inprocess import context, evaluate_round, fake_pool, train_round
+from inprocess import context, evaluate_round, pool_overrides, train_round
 
 from fedapps import registry
 from fedapps.config import compose, to_yaml
@@ -23,11 +23,7 @@ def client_model():
 @pytest.mark.parametrize("algorithm", ["fedavg-lora", "fednl", "flite", "smartfed"])
 def test_the_frozen_backbone_is_bf16_what_trains_is_fp32_and_the_round_learns(algorithm, tmp_path):
     overrides = ["train.frozen_bf16=true", "train.local_steps=3", "train.lr=3e-3"]
-    if algorithm == "smartfed":
-        from clients.models.llm import load_causal_lm
-
-        base = compose(preset="test")
-        overrides.append(f"algorithm.pool={fake_pool(tmp_path, load_causal_lm(base.model, seed=int(base.seed))[0])}")
+    overrides += pool_overrides(algorithm, tmp_path)
     cfg = compose(overrides, algorithm=algorithm, preset="test")
     strategy = registry.get(algorithm).plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
     nodes = {1: context(1), 2: context(2)}

@@ -204,17 +204,13 @@ def test_a_missing_path_is_refused_before_submitting(tmp_path, capsys):
 # --------------------------------------------------------------------------- every method, one round
 @pytest.mark.parametrize("algorithm", ["fedavg-lora", "fednl", "flite", "smartfed"])
 def test_every_method_trains_a_round_on_local_instructions(algorithm, tmp_path):
-    from inprocess import context, evaluate_round, fake_pool, train_round
+    from inprocess import context, evaluate_round, pool_overrides, train_round
 
     from fedapps import registry
     from fedapps.config import to_yaml
 
     overrides = ["train.local_steps=2", "eval.max_batches=1", "rounds=1"]
-    if algorithm == "smartfed":
-        from clients.models.llm import load_causal_lm
-
-        base = compose(preset="test")
-        overrides.append(f"algorithm.pool={fake_pool(tmp_path, load_causal_lm(base.model, seed=int(base.seed))[0])}")
+    overrides += pool_overrides(algorithm, tmp_path)
     cfg = compose(overrides, algorithm=algorithm, task="instructions", preset="test")
     strategy = registry.get(algorithm).plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
     nodes = {1: context(1), 2: context(2)}
