@@ -55,7 +55,7 @@ def run(method: str, overrides: list[str], out: Path, name: str) -> dict:
                   task="fmnist", algorithm=algorithm, preset="none")
     summary = simulate(cfg)
     records = read_metrics(summary["run_dir"])
-    norms = [c["train_dp-norm"] for r in records for c in r["clients"] if "train_dp-norm" in c]
+    norms = [c["update_norm"] for r in records for c in r["clients"] if "update_norm" in c]  # central DP: the server's
     if cfg.algorithm.name == "flite":
         values = int(cfg.algorithm.flite.latent_budget)
     elif cfg.channel.name == "latent":

@@ -46,7 +46,7 @@ def train(msg: Message, context: Context) -> Message:
     if dp is not None:  # clipped (and in local mode noised) before it leaves, masked or not
         arrays = privacy.private_update(call, update, dp)
     if secure.settings_of(call.cfg) is not None:
-        arrays = secure.masked_update(call, update, arrays)
+        arrays = secure.masked_update(call, arrays)
     update.metrics["client-seconds"] = time.perf_counter() - start  # this message's whole work on the node
     if dp is not None or secure.settings_of(call.cfg) is not None:
         # a private run's reply says nothing of this node but its (clipped, noised or masked) update: no loss,

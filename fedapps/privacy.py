@@ -38,8 +38,9 @@ def sample_rate(cfg) -> float:
 
 
 def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayRecord:
-    """The reply's arrays with the update clipped (and noised in local mode); ``dp-norm`` (the norm
-    before clipping) goes into the metrics."""
+    """The reply's arrays with the update clipped (and noised in local mode). Its norm before clipping
+    stays on the node (a private reply carries no metrics); a central-DP server records the norm it sees
+    as ``update_norm``."""
     cfg = call.cfg
     values = codec.decode(update.arrays)
     absolute = str(cfg.algorithm.get("uplink", "absolute")) != "delta"
@@ -48,7 +49,6 @@ def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayR
     clipped, norm = clip_update(delta, privacy.clip)
     if privacy.mode == "local":
         clipped = add_noise(clipped, privacy.client_std, privacy.rng(call.server_round, call.session.partition_id))
-    update.metrics["dp-norm"] = norm
     out = {k: (received[k] + v) if absolute else v for k, v in clipped.items()}
     fmt = str(cfg.algorithm.get("payload", "fp32"))
     return codec.encode(out, fmt, rng=np.random.default_rng(call.seed) if fmt in codec.QUANTISED else None)

@@ -13,7 +13,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from omegaconf import OmegaConf
 
-from fedapps.method import ClientCall, Update
+from fedapps.method import ClientCall
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
 from strategies.secure_round import (KEYS, RECORD, SHARES, UNMASK, SecureSettings, client_keys, client_mask,
@@ -65,10 +65,10 @@ def answer_stage(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def masked_update(call: ClientCall, update: Update, arrays: ArrayRecord) -> ArrayRecord:
+def masked_update(call: ClientCall, arrays: ArrayRecord) -> ArrayRecord:
     """The reply's ``arrays`` (the method's uplink), masked for this round (the training message
-    carried the round's keys and shares); the fraction of values clipped goes into the metrics
-    as ``secagg-clipped``."""
+    carried the round's keys and shares). The fraction of values clipped to ±clip stays on the node
+    (a private reply carries no metrics)."""
     if RECORD not in call.msg.content.config_records:
         raise ClientSetupError("this run has secure aggregation on, but the training message carries no "
                                "secure-aggregation record")
@@ -77,7 +77,6 @@ def masked_update(call: ClientCall, update: Update, arrays: ArrayRecord) -> Arra
     if str(call.cfg.algorithm.get("uplink", "absolute")) != "delta":
         received = codec.decode(call.arrays)
         values = {k: v.astype(np.float64) - received[k] for k, v in values.items()}
-    arrays, clipped = client_mask(int(call.context.node_id), call.msg, call.context.state, settings, values,
+    arrays, _ = client_mask(int(call.context.node_id), call.msg, call.context.state, settings, values,
                                   np.random.default_rng(call.seed))
-    update.metrics["secagg-clipped"] = float(clipped)
     return arrays

@@ -450,6 +450,8 @@ class PayloadFedAvg(FedAvg):
             # local: each update is already noised, and clipping it again would only shrink the noise's signal
             for i, node in enumerate(nodes):
                 norm = self.update_norm(payloads[i]) if self.privacy.mode == "central" else 0.0
+                if self.privacy.mode == "central":  # the server's own measure of what it sees (a trusted server)
+                    self._client(node)["update_norm"] = norm
                 if norm > self.privacy.clip:
                     payloads[i] = self.scale_update(payloads[i], self.privacy.clip / norm)
                     if norm > 1.01 * self.privacy.clip:  # beyond an int4 payload's rounding of a clipped update

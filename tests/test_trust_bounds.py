@@ -167,3 +167,13 @@ def test_a_client_metric_cannot_overwrite_the_servers_byte_accounting():
     round_of(strat, {1: (np.full(D, 0.01), {"downlink_payload_bytes": 1.0}), 2: (np.full(D, 0.01), {})})
     clients = strat._round["clients"]
     assert clients["1"]["train_downlink_payload_bytes"] == clients["2"]["train_downlink_payload_bytes"] == 4 * D
+
+
+def test_a_central_dp_server_records_the_norm_it_sees_and_nothing_the_client_reports():
+    """bench/privacy.py calibrates its clip from these (clients no longer report their norm)."""
+    central = Privacy(mode="central", clip=1e9, delta=1e-5, noise_multiplier=1e-9, rounds=1, sample_rate=1.0, seed=0)
+    strat = strategy(clients=2, privacy=central)
+    round_of(strat, {1: (np.full(D, 0.1), {"loss": 1.0}), 2: (np.full(D, 0.2), {"loss": 2.0})})
+    norms = {c["node_id"]: c["update_norm"] for c in strat._round["clients"].values()}
+    assert norms == pytest.approx({1: 0.1 * D ** 0.5, 2: 0.2 * D ** 0.5})
+    assert not [k for c in strat._round["clients"].values() for k in c if k == "train_loss"]
