@@ -140,13 +140,13 @@ bench: assets
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-int4 --out docs/bench/smartfed-int4
 	$(PY) bench/smartfed.py --lr 3e-3 --memory-steps 0 \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-lr3 --out docs/bench/smartfed-lr3
-	$(PY) bench/fednl.py $(FEDNL_MMLU) --fednl-overrides "algorithm.lr.gate=0.05" \
+	$(PY) -m bench.fednl $(FEDNL_MMLU) --fednl-overrides "algorithm.lr.gate=0.05" \
 		--algorithms fednl:meta-rules,fedavg-lora,fednl:ablate,fedssi,fedala --out outputs/fednl-mmlu
-	$(PY) bench/fednl.py $(FEDNL_NIAH) --sections niah --out outputs/fednl-niah
-	$(PY) bench/fednl.py $(FEDNL_LM) --out outputs/fednl-lm
-	$(PY) bench/fednl.py --sections throughput --throughput-steps 6 --throughput-chunks 32,128 --throughput-profile \
+	$(PY) -m bench.fednl $(FEDNL_NIAH) --sections niah --out outputs/fednl-niah
+	$(PY) -m bench.fednl $(FEDNL_LM) --out outputs/fednl-lm
+	$(PY) -m bench.fednl --sections throughput --throughput-steps 6 --throughput-chunks 32,128 --throughput-profile \
 		--out outputs/fednl-throughput
-	$(PY) bench/fednl.py --write-docs --render "$$(ls -td outputs/fednl-mmlu/2*/ | head -1)results.json,$$(ls -td \
+	$(PY) -m bench.fednl --write-docs --render "$$(ls -td outputs/fednl-mmlu/2*/ | head -1)results.json,$$(ls -td \
 		outputs/fednl-niah/2*/ | head -1)results.json,$$(ls -td outputs/fednl-lm/2*/ | head -1)results.json,$$(ls -td \
 		outputs/fednl-throughput/2*/ | head -1)results.json"
 	$(PY) bench/collect.py

@@ -1,24 +1,27 @@
-"""bench/fednl.py's own arithmetic and inputs: the aggregation drop's interval, FedNL-only overrides
+"""bench/fednl's own arithmetic and inputs: the aggregation drop's interval, FedNL-only overrides
 checked before anything runs, earlier MMLU parts merged for the paired comparison, FedNL paired
 with every baseline."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import fednl as bench  # noqa: E402
+from bench.fednl.cli import parse_args
+from bench.fednl.lm import lm_cfg
+from bench.fednl.mmlu import mmlu_from, mmlu_paired, save_items
+from bench.fednl.niah import niah_cfg, niah_from, resumed_niah
+from bench.fednl.report import lm_lines, paired_lines, report as render_report, run_date
+from bench.fednl.runs import MMLU_CLIENTS, algorithm_overrides
+from bench.fednl.stats import drop_interval, loss_diffs, niah_paired, paired_report
 
 
 def test_drop_interval_matches_a_hand_computed_example():
     # five clients, 16 questions each: federated accuracies and the drops (local - federated)
-    federated = dict(zip(bench.MMLU_CLIENTS, (0.25, 0.5, 0.25, 0.5, 0.75)))
-    drops = dict(zip(bench.MMLU_CLIENTS, (0.125, 0.0, -0.0625, 0.0, 0.0625)))
-    mean, low, high = bench.drop_interval({"per_client": federated, "aggregation_drop": drops}, 16)
+    federated = dict(zip(MMLU_CLIENTS, (0.25, 0.5, 0.25, 0.5, 0.75)))
+    drops = dict(zip(MMLU_CLIENTS, (0.125, 0.0, -0.0625, 0.0, 0.0625)))
+    mean, low, high = drop_interval({"per_client": federated, "aggregation_drop": drops}, 16)
     assert mean == pytest.approx(0.025)
     local = (0.375, 0.5, 0.1875, 0.5, 0.8125)
     variance = sum(p * (1 - p) / 16 for p in (*federated.values(), *local)) / 25
@@ -27,15 +30,15 @@ def test_drop_interval_matches_a_hand_computed_example():
 
 
 def test_fednl_overrides_are_checked_before_anything_runs(capsys):
-    args = bench.parse_args(["--sections", "throughput", "--fednl-overrides", "algorithm.lr.gate=0.05"])
+    args = parse_args(["--sections", "throughput", "--fednl-overrides", "algorithm.lr.gate=0.05"])
     assert args.fednl_overrides == ["algorithm.lr.gate=0.05"]
-    name, overrides = bench.algorithm_overrides("fednl:ablate", args.fednl_overrides)
+    name, overrides = algorithm_overrides("fednl:ablate", args.fednl_overrides)
     assert name == "fednl" and "algorithm.ablate_memory=true" in overrides and overrides[-1] == "algorithm.lr.gate=0.05"
-    assert "algorithm.lr.gate=0.05" not in bench.algorithm_overrides("fedavg-lora", args.fednl_overrides)[1]
+    assert "algorithm.lr.gate=0.05" not in algorithm_overrides("fedavg-lora", args.fednl_overrides)[1]
     for bad, said in (("algorithm.lr.gat=0.05", "unknown config key"), ("algorithm.lr.gate=-1", "number > 0"),
                       ("'algorithm.lr.gate=1", "No closing quotation")):
         with pytest.raises(SystemExit) as stop:
-            bench.parse_args(["--fednl-overrides", bad])
+            parse_args(["--fednl-overrides", bad])
         assert stop.value.code == 2 and said in capsys.readouterr().err
 
 
@@ -48,17 +51,17 @@ def test_mmlu_parts_merge_and_a_missing_run_folder_is_an_error(tmp_path):
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     first.write_text(json.dumps({"mmlu": {"fedavg-lora": runs["a"]}}))
     second.write_text(json.dumps({"mmlu": {"fednl:meta-rules": runs["b"]}}))
-    merged, items = bench.mmlu_from([first, second])
+    merged, items = mmlu_from([first, second])
     assert list(merged) == ["fedavg-lora", "fednl:meta-rules"] and items == {}
     (tmp_path / "b" / "config.yaml").unlink()
     with pytest.raises(SystemExit, match="run folder .* is gone"):
-        bench.mmlu_from([first, second])
+        mmlu_from([first, second])
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
     with pytest.raises(SystemExit, match="holds no MMLU runs"):
-        bench.mmlu_from([empty])
+        mmlu_from([empty])
     with pytest.raises(SystemExit):
-        bench.parse_args(["--mmlu-from", str(tmp_path / "nowhere.json")])
+        parse_args(["--mmlu-from", str(tmp_path / "nowhere.json")])
 
 
 def test_paired_scores_saved_beside_results_make_a_combine_need_no_run_folder(tmp_path):
@@ -74,43 +77,43 @@ def test_paired_scores_saved_beside_results_make_a_combine_need_no_run_folder(tm
     items = {"fedavg-lora": scores(), "fednl:meta-rules": scores(), "round 0: backbone": scores(),
              "round 0: fednl at init": scores()}
     out = tmp_path / "combined"
-    index = bench.save_items(out, items)
+    index = save_items(out, items)
     assert index["round 0: fednl at init"] == "mmlu_items/round-0-fednl-at-init.npz"
     gone = {spec: {"run_dir": str(tmp_path / "deleted" / spec), "average": 0.3} for spec in ("fedavg-lora",
                                                                                           "fednl:meta-rules")}
     (out / "results.json").write_text(json.dumps({"mmlu": gone, "mmlu_items": index}))
-    runs, loaded = bench.mmlu_from([out / "results.json"])
+    runs, loaded = mmlu_from([out / "results.json"])
     assert list(runs) == ["fedavg-lora", "fednl:meta-rules"] and set(loaded) == set(items)
     for name, got in loaded.items():
         for key, value in items[name].items():
             np.testing.assert_array_equal(got[key], value)
-    args = bench.parse_args(["--sections", "mmlu", "--paired"])
-    report, used = bench.mmlu_paired(args, tmp_path / "unused", runs, loaded)
+    args = parse_args(["--sections", "mmlu", "--paired"])
+    report, used = mmlu_paired(args, tmp_path / "unused", runs, loaded)
     assert set(used) == set(items) and not (tmp_path / "unused").exists()  # nothing scored
-    assert report == bench.paired_report(items, list(runs), 0.02)
+    assert report == paired_report(items, list(runs), 0.02)
     # a later part without saved scores replaces that algorithm's scores: its run folder is needed again
     later = tmp_path / "later.json"
     later.write_text(json.dumps({"mmlu": {"fedavg-lora": gone["fedavg-lora"]}}))
     with pytest.raises(SystemExit, match="fedavg-lora's run folder .* is gone"):
-        bench.mmlu_from([out / "results.json", later])
+        mmlu_from([out / "results.json", later])
     (out / "mmlu_items" / "fedavg-lora.npz").unlink()
     with pytest.raises(SystemExit, match="lists scores of fedavg-lora at mmlu_items/fedavg-lora.npz"):
-        bench.mmlu_from([out / "results.json"])
+        mmlu_from([out / "results.json"])
 
 
 def test_quick_mode_shrinks_every_section_to_the_tiny_model():
     for flag in ("--quick", "--smoke"):  # --smoke: the older name, kept
-        args = bench.parse_args([flag])
+        args = parse_args([flag])
         assert args.model == "tiny-llama" and (args.rounds, args.local_steps) == (1, 2)
         assert (args.lm_rounds, args.lm_steps, args.throughput_steps) == (1, 1, 1)
-    assert bench.parse_args([]).model == "smollm2"
+    assert parse_args([]).model == "smollm2"
 
 
 def test_throughput_chunks_are_parsed_and_checked(capsys):
-    assert bench.parse_args(["--throughput-chunks", "32,128"]).throughput_chunks == [32, 128]
+    assert parse_args(["--throughput-chunks", "32,128"]).throughput_chunks == [32, 128]
     for bad in ("32,x", "0"):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--throughput-chunks", bad])
+            parse_args(["--throughput-chunks", bad])
         assert "--throughput-chunks" in capsys.readouterr().err
 
 
@@ -120,24 +123,24 @@ def test_niah_from_takes_an_earlier_run_and_refuses_a_missing_algorithm_or_folde
     (run / "config.yaml").write_text("seed: 1\n")
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"niah": {"fednl": {"run_dir": str(run)}}, "niah_paired": {"4096": {}}}))
-    niah, paired = bench.niah_from(path, ["fednl:meta-rules"])
+    niah, paired = niah_from(path, ["fednl:meta-rules"])
     assert list(niah) == ["fednl"] and paired == {"4096": {}}
     with pytest.raises(SystemExit, match=r"no NIAH run of \['fedavg-lora'\]"):
-        bench.niah_from(path, ["fednl:meta-rules", "fedavg-lora"])
+        niah_from(path, ["fednl:meta-rules", "fedavg-lora"])
     (run / "config.yaml").unlink()
     with pytest.raises(SystemExit, match="is gone"):
-        bench.niah_from(path, ["fednl:meta-rules"])
+        niah_from(path, ["fednl:meta-rules"])
 
 
 def test_niah_runs_train_on_the_asked_prompts_and_test_on_the_asked_lengths(tmp_path):
-    args = bench.parse_args(["--sections", "niah", "--niah-rounds", "3", "--niah-steps", "6", "--niah-train-length", "768",
+    args = parse_args(["--sections", "niah", "--niah-rounds", "3", "--niah-steps", "6", "--niah-train-length", "768",
                              "--niah-test-per-template", "45", "--fednl-overrides", "algorithm.lr.gate=0.2"])
-    fednl_cfg = bench.niah_cfg(args, tmp_path, "fednl:meta-rules", "x")
+    fednl_cfg = niah_cfg(args, tmp_path, "fednl:meta-rules", "x")
     assert list(fednl_cfg.task.train_lengths) == [768] and fednl_cfg.task.train_per_template == 18
     assert list(fednl_cfg.task.test_lengths) == [1024, 2048, 4096] and fednl_cfg.task.test_per_template == 45
     assert fednl_cfg.algorithm.memory.window == 512 and fednl_cfg.algorithm.lr.gate == 0.2
     assert fednl_cfg.rounds == 3 and fednl_cfg.train.local_steps == 6 and fednl_cfg.train.batch_size == 1
-    lora_cfg = bench.niah_cfg(args, tmp_path, "fedavg-lora", "y")
+    lora_cfg = niah_cfg(args, tmp_path, "fedavg-lora", "y")
     assert list(lora_cfg.task.train_lengths) == [768] and "lr" not in lora_cfg.algorithm
     # no method scores its 4K-token test prompts before aggregation (it tripled fedavg-lora's training time)
     assert not fednl_cfg.algorithm.eval_local and not lora_cfg.algorithm.eval_local
@@ -155,18 +158,18 @@ def test_a_scored_niah_run_is_resumed_with_its_accuracies(tmp_path):
     ) + "\n")
     np.savez(folder / "niah_items.npz", client=np.array([0, 0, 1, 1]), length=np.array([1024, 4096, 1024, 4096]),
              correct=np.array([1.0, 0.0, 1.0, 1.0]), index=np.arange(4), loss=np.array([0.5, 1.5, 1.0, 2.5]))
-    result, items = bench.resumed_niah(folder)
+    result, items = resumed_niah(folder)
     assert result["per_client"] == {"passkey": 0.5, "uuid-code": 1.0}
     assert result["per_length"] == {"1024": 1.0, "4096": 0.5}
     assert result["test_prompts_per_length"] == {"1024": 2, "4096": 2}
     assert result["train_loss"] == [2.5, 1.5]  # the first step's mean, then each round's
     assert result["letter_loss"] == {"1024": 0.75, "4096": 2.0} and result["alpha"] == [0.1, 0.3]
-    args = bench.parse_args(["--niah-lengths", "1024,4096"])
-    text = bench.report(args, {"niah": {"fednl": result}}, "cmd")
+    args = parse_args(["--niah-lengths", "1024,4096"])
+    text = render_report(args, {"niah": {"fednl": result}}, "cmd")
     assert "| 1.000 (" in text and "| 2.500 → 1.500 | mean 0.200, max 0.300 |" in text
     assert result["run_dir"] == str(folder.resolve()) and set(items) == {"client", "length", "correct", "index", "loss"}
     with pytest.raises(SystemExit):
-        bench.parse_args(["--niah-resume", str(tmp_path / "nowhere")])
+        parse_args(["--niah-resume", str(tmp_path / "nowhere")])
 
 
 def test_paired_report_pairs_fednl_with_every_baseline_and_renders_each_line():
@@ -183,31 +186,31 @@ def test_paired_report_pairs_fednl_with_every_baseline_and_renders_each_line():
     items = {"fedavg-lora": scores(base), "fedssi": scores(base), "fedala": scores(base),
              "fednl:meta-rules": scores(fednl), "round 0: backbone": scores(base),
              "round 0: fednl at init": scores(base)}
-    report = bench.paired_report(items, ["fedavg-lora", "fedssi", "fedala", "fednl:meta-rules"], 0.02)
+    report = paired_report(items, ["fedavg-lora", "fedssi", "fedala", "fednl:meta-rules"], 0.02)
     assert sorted(report["fednl_vs_baselines"]) == ["fedala", "fedssi"]  # fedavg-lora is the table's own column
     d = report["fednl_vs_baselines"]["fedssi"]["runs"]["fednl:meta-rules"]["accuracy_diff"]
     assert d["mean"] == pytest.approx(20 / n) and d["other_right_ref_wrong"] == 20 and d["ref_right_other_wrong"] == 0
     assert d["noninferior_p"] < 0.05
     assert report["moved"]["fednl:meta-rules"]["accuracy_diff"]["mean"] == pytest.approx(20 / n)
-    text = "\n".join(bench.paired_lines(report))
+    text = "\n".join(paired_lines(report))
     assert "fednl:meta-rules − fedssi: +10.0 pp" in text and "fednl:meta-rules − fedala: +10.0 pp" in text
     assert "(20 questions gained, 0 lost)" in text
 
 
 def test_lm_runs_limit_fednl_to_its_window_and_sinks_and_bad_sizes_fail(tmp_path, capsys):
-    args = bench.parse_args(["--sections", "lm", "--lm-window", "32", "--lm-seq", "256", "--lm-rounds", "3",
+    args = parse_args(["--sections", "lm", "--lm-window", "32", "--lm-seq", "256", "--lm-rounds", "3",
                              "--lm-steps", "10", "--fednl-overrides", "algorithm.memory.gate_init_logit=-1"])
-    fednl_cfg = bench.lm_cfg(args, tmp_path, "fednl:meta-rules", "x")
+    fednl_cfg = lm_cfg(args, tmp_path, "fednl:meta-rules", "x")
     assert fednl_cfg.task.name == "shakespeare" and fednl_cfg.train.seq_len == 256 and fednl_cfg.num_clients == 4
     assert fednl_cfg.algorithm.memory.window == 32 and fednl_cfg.algorithm.memory.sink == 4
     assert fednl_cfg.algorithm.memory.gate_init_logit == -1 and fednl_cfg.eval.max_batches == 0
-    no_sinks = bench.lm_cfg(args, tmp_path, "fednl:ablate", "y", sink=0)
+    no_sinks = lm_cfg(args, tmp_path, "fednl:ablate", "y", sink=0)
     assert no_sinks.algorithm.memory.sink == 0 and no_sinks.algorithm.ablate_memory
-    lora_cfg = bench.lm_cfg(args, tmp_path, "fedavg-lora", "z")
+    lora_cfg = lm_cfg(args, tmp_path, "fedavg-lora", "z")
     assert lora_cfg.rounds == 3 and lora_cfg.train.local_steps == 10 and "memory" not in lora_cfg.algorithm
     for bad in (["--lm-window", "256"], ["--lm-algorithms", "fedprox"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--sections", "lm", *bad])
+            parse_args(["--sections", "lm", *bad])
     assert "--lm-" in capsys.readouterr().err
 
 
@@ -216,7 +219,7 @@ def test_lm_lines_give_what_the_memory_recovers():
     lm = {"window": 32, "seq": 256, "windows": 100, "rounds": 3, "steps": 10,
           "loss": {"fednl": 4.0, "fednl-ablate": 4.5, "fedavg-lora": 3.5},
           "runs": {"fednl": {"alpha": [0.2, 0.4]}}, "vs_ablation": {"fednl": d}}
-    text = "\n".join(bench.lm_lines(lm))
+    text = "\n".join(lm_lines(lm))
     assert "that the memory recovers: 50%." in text
     assert "| fednl | 4.0000 | 54.60 | -0.5000 (-0.6000..-0.4000), p 1e-05 | — | mean 0.300, max 0.400 |" in text
 
@@ -226,7 +229,7 @@ def test_loss_diffs_pair_each_model_with_the_reference_item_by_item():
     loss = np.linspace(3.0, 5.0, n)
     items = {name: {"client": np.zeros(n, dtype=np.int64), "index": np.arange(n), "loss": loss + shift}
              for name, shift in (("fednl-ablate", 0.0), ("fednl", -0.1), ("fedavg-lora", -0.3))}
-    diffs = bench.loss_diffs(items, "fednl-ablate", ["fednl", "fedavg-lora"])
+    diffs = loss_diffs(items, "fednl-ablate", ["fednl", "fedavg-lora"])
     assert sorted(diffs) == ["fedavg-lora", "fednl"]
     assert diffs["fednl"]["mean"] == pytest.approx(-0.1) and diffs["fedavg-lora"]["mean"] == pytest.approx(-0.3)
 
@@ -239,16 +242,16 @@ def test_niah_pairs_fednl_with_each_reference_at_each_length():
                 "correct": np.array(correct, dtype=float), "loss": np.array(loss)}
 
     items = {"fednl": run([1, 1, 0, 1], [1.0, 2.0, 3.0, 1.0]), "fednl-ablate": run([1, 0, 0, 1], [1.5, 2.5, 3.0, 2.0])}
-    paired = bench.niah_paired(items, [1024, 4096], margin=0.02)
+    paired = niah_paired(items, [1024, 4096], margin=0.02)
     assert set(paired) == {"1024", "4096"} and set(paired["1024"]) == {"fednl-ablate"}  # no fedavg-lora run here
     row = paired["1024"]["fednl-ablate"]
     assert row["mean"] == 0.5 and row["other_right_ref_wrong"] == 1 and row["ref_right_other_wrong"] == 0
     assert row["loss_diff"]["mean"] == -0.5 and paired["4096"]["fednl-ablate"]["loss_diff"]["mean"] == -0.5
-    assert bench.niah_paired({"fedavg-lora": items["fednl"]}, [1024], 0.02) == {}
+    assert niah_paired({"fedavg-lora": items["fednl"]}, [1024], 0.02) == {}
 
 
 def test_a_rendered_result_shows_the_day_it_was_made_not_the_day_it_is_rendered():
-    assert bench.run_date({"date": "2026-11-30"}) == "2026-11-30"
+    assert run_date({"date": "2026-11-30"}) == "2026-11-30"
     old = {"mmlu": {"a": {"run_dir": "/x/mmlu/20261203-130229/mmlu_a"}, "b": {"run_dir": "/x/20261201-090000/b"}}}
-    assert bench.run_date(old) == "2026-12-03"
-    assert bench.run_date({"throughput": {"ratio": 0.8}}) == "date not recorded"
+    assert run_date(old) == "2026-12-03"
+    assert run_date({"throughput": {"ratio": 0.8}}) == "date not recorded"

@@ -1,0 +1,80 @@
+"""Section 4, ``throughput``: training tokens/s of FedNL vs plain LoRA on q/k/v, interleaved timed
+steps, and (``--throughput-profile``) where FedNL's extra time goes, by operator."""
+
+from __future__ import annotations
+
+import time
+
+from .runs import log
+
+
+def section_throughput(args) -> dict:
+    import torch
+
+    from fedapps import baselines, fednl
+    from fedapps.config import compose
+
+    torch.set_num_threads(args.threads)
+    base = [f"model={args.model}", f"seed={args.seed}"]
+    fednl_cfg = compose(base, algorithm="fednl", task="mmlu")
+    lora_cfg = compose([*base, "algorithm.lora.target_modules=[q_proj,k_proj,v_proj]"], algorithm="fedavg-lora",
+                       task="mmlu")
+    chunk = int(fednl_cfg.algorithm.memory.chunk_size)
+    models = {"fednl": fednl.prepare(fednl_cfg)[0], "lora-qkv": baselines.prepare(lora_cfg)[0]}
+    for extra in (c for c in args.throughput_chunks if c != chunk):
+        cfg = compose([*base, f"algorithm.memory.chunk_size={extra}"], algorithm="fednl", task="mmlu")
+        models[f"fednl chunk {extra}"] = fednl.prepare(cfg)[0]
+    vocab = models["fednl"].get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (args.throughput_batch, args.throughput_seq), generator=generator)
+    optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+                  for k, m in models.items()}
+
+    def step(key: str) -> tuple[float, float]:
+        """One training step: (wall seconds, CPU seconds of this process)."""
+        model, optimizer = models[key], optimizers[key]
+        wall, cpu = time.perf_counter(), time.process_time()
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    for key in models:  # warm-up
+        step(key)
+    times = {k: [] for k in models}
+    for _ in range(args.throughput_steps):  # interleaved, so load changes hit both alike
+        for key in models:
+            times[key].append(step(key))
+    tokens = args.throughput_batch * args.throughput_seq
+    # wall-clock tokens/s, and tokens per CPU-second (robust to other load on a shared machine)
+    rates = {k: tokens / (sum(w for w, _ in v) / len(v)) for k, v in times.items()}
+    cpu_rates = {k: tokens / (sum(c for _, c in v) / len(v)) for k, v in times.items()}
+    log(f"throughput: wall {rates}, per CPU-second {cpu_rates}")
+    result = {"tokens_per_second": rates, "ratio": rates["fednl"] / rates["lora-qkv"],
+              "tokens_per_cpu_second": cpu_rates, "cpu_ratio": cpu_rates["fednl"] / cpu_rates["lora-qkv"],
+              "batch": args.throughput_batch, "seq": args.throughput_seq, "steps": args.throughput_steps,
+              "chunk_size": chunk, "threads": args.threads,
+              "trainable": {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()}}
+    if args.throughput_profile:
+        result["profile"] = step_profile({k: (lambda k=k: step(k)) for k in ("fednl", "lora-qkv")})
+    return result
+
+
+def step_profile(steps: dict, top: int = 14) -> dict:
+    """Self CPU time per operator (ms per step, mean of 2 profiled steps) of each model's training step,
+    and the operators where the first model spends the most beyond the second."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_op = {}
+    for key, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+            step()
+        per_op[key] = {e.key: (e.self_cpu_time_total / 2e3, e.count // 2) for e in prof.key_averages()}
+    first, second = list(per_op)
+    extra = sorted(set(per_op[first]) | set(per_op[second]),
+                   key=lambda op: per_op[second].get(op, (0, 0))[0] - per_op[first].get(op, (0, 0))[0])
+    return {"models": [first, second],
+            "total_ms": {k: sum(ms for ms, _ in ops.values()) for k, ops in per_op.items()},
+            "ops": [{"op": op, **{k: per_op[k].get(op, (0.0, 0)) for k in (first, second)}} for op in extra[:top]]}
