@@ -6,7 +6,7 @@ Collects, in this order, whatever each benchmark script last wrote: ``docs/bench
 demo.md`` (``python -m postcard.demo --report docs/bench/demo``), ``docs/bench/flite/
 flite.md`` (bench/flite.py), ``docs/bench/flite-near/flite.md`` and ``docs/bench/flite-near-fmnist/flite.md``
 (bench/flite.py --base public),
-``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (bench/fednl.py's
+``docs/bench/wire_bytes.md``, ``docs/bench/lm_memory/lm_memory.md``, the bench section of ``docs/fednl.md`` (``python -m bench.fednl``'s
 runs rendered with --write-docs), ``docs/bench/smartfed.md``, ``docs/bench/smartfed-int4/`` and ``docs/bench/smartfed-lr3/`` (bench/smartfed.py),
 ``docs/bench/onboarding/``, ``docs/bench/onboarding-tuned-topk4/``, ``docs/bench/onboarding-fair-topk4/``,
 the earlier tuned setting's ``docs/bench/onboarding-lr3-int4x12/`` and ``docs/bench/onboarding-fair-lr3e-3/``
@@ -47,7 +47,7 @@ REPORTS = (
      DOCS / "bench" / "lm_memory-bf16" / "lm_memory.md",
      "bench/lm_memory.py --methods smartfed --variants bf16 bf16+ckpt --seq-len 128", None),
     ("FedNL on SmolLM2 (MMLU, NIAH, memory, throughput)", DOCS / "fednl.md",
-     "bench/fednl.py, issue #15's protocol: make bench's FedNL lines, then --render ... --write-docs",
+     "python -m bench.fednl, issue #15's protocol: make bench's FedNL lines, then --render ... --write-docs",
      ("<!-- bench:fednl:start -->", "<!-- bench:fednl:end -->")),
     ("SmartFed vs FedAvg-LoRA from scratch", DOCS / "bench" / "smartfed.md", "bench/smartfed.py", None),
     ("SmartFed, int4 uplink with 12 experts per matrix, vs FedAvg-LoRA", DOCS / "bench" / "smartfed-int4" / "smartfed.md",

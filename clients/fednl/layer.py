@@ -31,7 +31,7 @@ and the weights sum to one. Choices, where the papers leave room:
   pretrained model parks much of its attention on the first tokens, and a plain sliding
   window that drops them wrecks the softmax path: SmolLM2's held-out Shakespeare loss,
   3.89 nats with full attention, is 7.07 with a 32-token window and 4.23 with the same
-  window and 4 sinks: ``bench/fednl.py --sections lm``, docs/fednl.md); the memory carries
+  window and 4 sinks: ``python -m bench.fednl --sections lm``, docs/fednl.md); the memory carries
   everything else. That bounds the streaming KV cache at ``sink + window`` tokens, so
   :class:`~clients.fednl.stream.FedNLStreamer` runs any context length in constant memory.
 
