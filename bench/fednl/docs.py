@@ -20,6 +20,14 @@ def plots(results: dict, folder: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def finish(fig, ax, path: Path) -> Path:
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
     made = []
     stream = results.get("stream")
     if not stream:
@@ -30,12 +38,7 @@ def plots(results: dict, folder: Path) -> list[Path]:
             ax.plot(range(1, len(r["relative_ce"]) + 1), r["relative_ce"], marker="o", label=label_of(key, r))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xlabel="1K-token bin", ylabel="CE / CE of the first bin", title="Streaming cross-entropy")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    made.append(folder / "fednl-stream-ce.png")
-    fig.savefig(made[-1], dpi=120)
-    plt.close(fig)
+    made.append(finish(fig, ax, folder / "fednl-stream-ce.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, r in stream.items():
@@ -44,12 +47,7 @@ def plots(results: dict, folder: Path) -> list[Path]:
     ax.set_xscale("log", base=2)
     ax.set(xlabel="context length (tokens)", ylabel="peak inference memory above the model (MB)",
            title="Peak inference memory")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    made.append(folder / "fednl-memory.png")
-    fig.savefig(made[-1], dpi=120)
-    plt.close(fig)
+    made.append(finish(fig, ax, folder / "fednl-memory.png"))
     return made
 
 
