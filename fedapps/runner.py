@@ -181,11 +181,11 @@ def _secure_train(rounds: _Rounds, strategy, server_round: int, messages) -> Non
     masked training replies, unmasking; each stage's replies make the next stage's messages."""
     from strategies.secure_round import KEYS, SHARES, UNMASK
 
-    messages = strategy.secure_begin(server_round, messages)
-    for phase, step in ((KEYS, strategy.secure_keys), (SHARES, strategy.secure_shares),
-                        ("train", strategy.secure_upload)):
+    stages = strategy.secure_stages
+    messages = stages.begin(server_round, messages)
+    for phase, step in ((KEYS, stages.keys), (SHARES, stages.shares), ("train", stages.upload)):
         messages = step(server_round, rounds.send(server_round, phase, messages))
-    strategy.secure_finish(server_round, rounds.send(server_round, UNMASK, messages))
+    stages.finish(server_round, rounds.send(server_round, UNMASK, messages))
 
 
 def run_server(grid: Grid, cfg) -> dict:

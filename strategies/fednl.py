@@ -78,4 +78,4 @@ class FedNL(PayloadFedAvg):
         return MEMORY_BOUND if theta_kind(key) == "memory" else None
 
     def train_ended(self, server_round: int) -> None:
-        self._round["gate_alpha"] = gate_alpha(self.global_state)
+        self.ledger.current["gate_alpha"] = gate_alpha(self.global_state)

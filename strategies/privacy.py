@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting import dp_event, rdp
-from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
+
+# dp-accounting (3 s to import) is imported by the accountant's functions, when a run has privacy on
 
 MODES = ("central", "local")
 
@@ -40,7 +40,9 @@ class PrivacyError(ValueError):
     """Privacy settings that cannot be used (says why)."""
 
 
-def _event(noise_multiplier: float, sample_rate: float, rounds: int) -> dp_event.DpEvent:
+def _event(noise_multiplier: float, sample_rate: float, rounds: int):
+    from dp_accounting import dp_event
+
     step = dp_event.GaussianDpEvent(noise_multiplier)
     if sample_rate < 1.0:
         step = dp_event.PoissonSampledDpEvent(sample_rate, step)
@@ -63,6 +65,8 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, rounds: int, delt
     """ε after ``rounds`` releases (RDP accountant of dp-accounting); 0 before the first."""
     if rounds <= 0:
         return 0.0
+    from dp_accounting import rdp
+
     with _quiet():
         accountant = rdp.RdpAccountant()
         accountant.compose(_event(noise_multiplier, sample_rate, rounds))
@@ -76,6 +80,9 @@ def noise_multiplier_for(epsilon: float, delta: float, rounds: int, sample_rate:
     if not (epsilon > 0 and 0 < delta < 1 and rounds >= 1 and 0 < sample_rate <= 1):
         raise PrivacyError(f"cannot calibrate noise for epsilon={epsilon}, delta={delta}, rounds={rounds}, "
                            f"sample rate={sample_rate}")
+    from dp_accounting import rdp
+    from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
+
     with _quiet():
         return float(calibrate_dp_mechanism(rdp.RdpAccountant, lambda z: _event(z, sample_rate, rounds), epsilon,
                                             delta, ExplicitBracketInterval(0.05, 500.0), tol=1e-4))
@@ -140,6 +147,14 @@ class Privacy:
         if self.seed is None:
             return np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         return np.random.default_rng([self.seed, *[int(s) for s in stream]])
+
+    def release(self, total: Mapping[str, np.ndarray], sampled: int, server_round: int) -> dict[str, np.ndarray]:
+        """A round's private mean update from the sum of its clipped updates: central mode adds
+        N(0, (z·clip)²) to the sum, then both modes divide by the number of clients sampled (a fixed
+        denominator: a dropout does not change the sensitivity)."""
+        if self.mode == "central":
+            total = add_noise(total, self.sum_std, self.rng(server_round))
+        return {k: v / sampled for k, v in total.items()}
 
     def record(self, rounds_released: int, sample_rate: float | None = None) -> dict:
         rate = min(1.0, max(self.sample_rate, float(sample_rate or 0.0)))

@@ -464,11 +464,11 @@ def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, se
     settings = strategy.secure
     train = [Message(RecordDict({"arrays": strategy.downlink_arrays(), "config": ConfigRecord({})}), dst_node_id=v,
                      message_type="train") for v in sorted(states)]
-    msgs = timed("keys", "server", strategy.secure_begin, server_round, train)
+    msgs = timed("keys", "server", strategy.secure_stages.begin, server_round, train)
     replies = answer("keys", msgs, lambda m: client_keys(m, states[node(m)], settings))
-    msgs = timed("shares", "server", strategy.secure_keys, server_round, replies)
+    msgs = timed("shares", "server", strategy.secure_stages.keys, server_round, replies)
     replies = answer("shares", msgs, lambda m: client_shares(node(m), m, states[node(m)], settings))
-    msgs = timed("upload", "server", strategy.secure_shares, server_round, replies)
+    msgs = timed("upload", "server", strategy.secure_stages.shares, server_round, replies)
 
     def upload(m):
         arrays, _ = client_mask(node(m), m, states[node(m)], settings, updates[node(m)],
@@ -481,7 +481,7 @@ def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, se
     replies = answer("upload", msgs, upload, skip_upload)
     if tamper is not None:
         tamper(replies)
-    msgs = timed("unmask", "server", strategy.secure_upload, server_round, replies)
+    msgs = timed("unmask", "server", strategy.secure_stages.upload, server_round, replies)
     replies = answer("unmask", msgs, lambda m: client_unmask(node(m), m, states[node(m)], settings), skip_unmask)
-    timed("finish", "server", strategy.secure_finish, server_round, replies)
+    timed("finish", "server", strategy.secure_stages.finish, server_round, replies)
     return strategy.round_record()

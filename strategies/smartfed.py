@@ -199,11 +199,10 @@ class SmartFedStrategy(PayloadFedAvg):
         return super().configure_evaluate(server_round, arrays, config, grid)
 
     # ------------------------------------------------------------------ uplink
-    def validate_reply(self, msg: Message) -> tuple[dict[str, sparse.MatrixPayload], int]:
-        """Decode one training reply into validated sparse parts; PayloadError says why not."""
-        record, num_examples = self.reply_record(msg)
+    def decode(self, record: ArrayRecord, node_id: int) -> dict[str, sparse.MatrixPayload]:
+        """One training reply's record as validated sparse parts; PayloadError says why not."""
         allocation = self._round_allocation or self.allocation
-        router = not self.routers_frozen(self._round.get("round", 0))
+        router = not self.routers_frozen(self.ledger.current.get("round", 0))
         if self.latent is not None:
             parts = self._from_latents(record, allocation, router)
         else:
@@ -216,9 +215,8 @@ class SmartFedStrategy(PayloadFedAvg):
                 budget=allocation.total,
                 router=router,
             )
-        client = self._client(msg.metadata.src_node_id)
-        client["uplink_experts"] = int(sum(p.ids.size for p in parts.values()))
-        return parts, num_examples
+        self.ledger.client(node_id)["uplink_experts"] = int(sum(p.ids.size for p in parts.values()))
+        return parts
 
     # ------------------------------------------------------------------ the latent channel
     def latent_shapes(self, allocation: Allocation, router: bool = True) -> dict[str, tuple[int, ...]]:
@@ -260,7 +258,7 @@ class SmartFedStrategy(PayloadFedAvg):
             reports[key] = value
         parts = sparse.decode(reports, self.expert_layout, kind="update", active=allocation.active,
                               budget=allocation.total)
-        deltas = channel.expand(self._round.get("round", 0), codec.decode(ArrayRecord({LATENT_KEY: array})))
+        deltas = channel.expand(self.ledger.current.get("round", 0), codec.decode(ArrayRecord({LATENT_KEY: array})))
         for m, ids in allocation.active.items():
             if not len(ids):
                 continue
@@ -299,9 +297,10 @@ class SmartFedStrategy(PayloadFedAvg):
                 if value is not None and part.ids.size:
                     yield f"{m}/{name}", getattr(self.state, name)[m][part.ids] + value
 
-    def aggregate_payloads(self, payloads: list[Mapping[str, sparse.MatrixPayload]], weights: list[int]):
-        """Sparse example-weighted FedAvg of the deltas, importance normalised per client; applied
-        to the expert state (and kept for EEQA) by :meth:`commit` once it is known to be finite."""
+    def combine(self, payloads: list[Mapping[str, sparse.MatrixPayload]], weights: list[int]):
+        """Sparse example-weighted FedAvg of the deltas, importance normalised per client: the update that
+        moves the global tensors to the new expert state, which :meth:`commit` keeps (with the round's
+        importance, for EEQA) once the result is known to be finite."""
         payloads = normalise_importance(payloads)
         new_state, importance = aggregate(self.state, [(p, float(w)) for p, w in zip(payloads, weights)])
         updated = 0
@@ -312,11 +311,11 @@ class SmartFedStrategy(PayloadFedAvg):
                     touched[payload[m].ids] = True
             updated += int(touched.sum())
         self._pending = (new_state, importance, updated)
-        return new_state.to_tensors()
+        return {k: v.astype(np.float64) - self.global_state[k] for k, v in new_state.to_tensors().items()}
 
-    def commit(self, update: dict[str, np.ndarray]) -> None:
-        super().commit(update)
-        self.state, self._importance, self._round["experts_updated"] = self._pending
+    def commit(self, values: dict[str, np.ndarray]) -> None:
+        super().commit(values)
+        self.state, self._importance, self.ledger.current["experts_updated"] = self._pending
         self._pending = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
@@ -324,7 +323,7 @@ class SmartFedStrategy(PayloadFedAvg):
         self._pending = None
         result = super().aggregate_train(server_round, replies)
         if result[0] is None:  # nothing accepted (or the round refused): the allocation stands
-            self._round["smartfed"] = {"for_round": server_round + 1, "reallocated": False,
+            self.ledger.current["smartfed"] = {"for_round": server_round + 1, "reallocated": False,
                                        "active_experts": int(self.allocation.total)}
             self._round_allocation = None
             return result
@@ -335,9 +334,9 @@ class SmartFedStrategy(PayloadFedAvg):
         """EEQA step with the round's aggregated importance (only after a round that changed the state)."""
         self.allocation = self.eeqa.step(self._importance or {})
         described = self._describe(self.allocation, server_round)
-        described["experts_updated"] = int(self._round.pop("experts_updated", 0))
+        described["experts_updated"] = int(self.ledger.current.pop("experts_updated", 0))
         self.allocations.append(described)
-        self._round["smartfed"] = described
+        self.ledger.current["smartfed"] = described
         self._round_allocation = None
 
     # ------------------------------------------------------------------ checkpoint

@@ -648,24 +648,24 @@ def run_case(spec: Spec, kind: Kind, robustness=None) -> Result:
     if counted:
         reference.aggregate_train(2, counted)
     expected = kind.expected(spec)
-    hostile = strategy._round["refused"]
+    hostile = strategy.round_record()["refused"]
     if expected == "refused":
         refusal = "payload" if spec.name in kind.refused_for else kind.refusal
         result = _refused(kind, refusal, strategy, reference, hostile)
     elif expected == "accepted":
         # harmless: counted as it is, and what it holds beside its payload changes nothing — the same
         # strategy (the same robust settings) fed the same payloads with honest metrics reaches the same state
-        assert not [r for r in strategy._round["refused"] if r["node_id"] == HOSTILE], strategy._round["refused"]
+        assert not [r for r in strategy.round_record()["refused"] if r["node_id"] == HOSTILE], strategy.round_record()["refused"]
         plain = spec.build(**({} if robustness is None else {"robustness": robustness}))
         plain.aggregate_train(1, list(ctx.round1.values()))
         plain.aggregate_train(2, [_with_honest_metrics(r, ctx) for r in replies])
         assert _same_state(strategy, plain), f"{kind.name}: the state differs from the same replies with honest metrics"
         result = Result("accepted")
     else:
-        assert not [r for r in strategy._round["refused"] if r["node_id"] == HOSTILE], strategy._round["refused"]
+        assert not [r for r in strategy.round_record()["refused"] if r["node_id"] == HOSTILE], strategy.round_record()["refused"]
         distance, bound = _distance_and_bound(strategy, reference, probe, replies)
         assert distance <= bound * (1 + 1e-5) + 1e-6, f"{kind.name}: moved {distance} from the honest mean, bound {bound}"
-        bounded = sorted({b["kind"] for b in strategy._round["bounded"] if b["node_id"] == HOSTILE})
+        bounded = sorted({b["kind"] for b in strategy.round_record()["bounded"] if b["node_id"] == HOSTILE})
         result = Result("bounded", ", ".join(bounded) or "within the bound, unclipped", distance, bound)
     _next_downlink_works(strategy)
     return result
@@ -683,7 +683,7 @@ def _with_honest_metrics(msg: Message, ctx: Ctx) -> Message:
 
 
 def _refused(kind: Kind, refusal: str, strategy, reference, refused: list[dict]) -> Result:
-    assert refused, f"{kind.name}: nothing refused; round record {strategy._round}"
+    assert refused, f"{kind.name}: nothing refused; round record {strategy.round_record()}"
     kinds = {r["kind"] for r in refused}
     assert refusal in kinds, f"{kind.name}: refused as {kinds}, expected {refusal}: {refused}"
     assert all(r["reason"] for r in refused)

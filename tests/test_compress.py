@@ -114,10 +114,10 @@ def test_an_update_larger_than_its_format_allows_is_refused_and_the_state_kept()
     dense = ArrayRecord({k: codec.topk_array(v.shape, np.arange(v.size), v.reshape(-1)) for k, v in update().items()})
     arrays, _ = s.aggregate_train(1, [reply(1, dense, 5)])
     assert arrays is None
-    assert "more than" in s._round["refused"][0]["reason"]
+    assert "more than" in s.round_record()["refused"][0]["reason"]
     # and a dense fp32 update is not a top-k one at all
     s.aggregate_train(1, [reply(1, codec.encode(update(), "fp32"), 5)])
-    assert "wire format 'postcard.fp32'" in s._round["refused"][1]["reason"]
+    assert "wire format 'postcard.fp32'" in s.round_record()["refused"][1]["reason"]
     assert all(np.array_equal(before[k], s.global_state[k]) for k in before)
 
 

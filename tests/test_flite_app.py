@@ -29,7 +29,7 @@ def test_int4_latents_are_648_bytes_and_averaged():
     z = codec.decode(arrays)["z"]
     step = 2 / 15
     assert np.max(np.abs(z - 0.0)) <= step / 2 + 1e-6  # mean of a and -a, each within half a step
-    assert s._round["clients"]["1"]["uplink_payload_bytes"] == 648
+    assert s.round_record()["clients"]["1"]["uplink_payload_bytes"] == 648
     assert codec.payload_bytes(s.downlink_arrays()) == 648
 
 
@@ -70,7 +70,7 @@ def test_mismatched_wrong_length_or_nan_latents_are_refused(bad, reason):
         msg = reply(3, z, **bad)
     arrays, _ = s.aggregate_train(1, [msg])
     assert arrays is None and np.array_equal(s.global_state["z"], before)
-    assert reason in s._round["refused"][0]["reason"]
+    assert reason in s.round_record()["refused"][0]["reason"]
 
 
 def test_the_vision_backbone_gets_1280_latents_and_a_frozen_orthogonal_head():
@@ -164,8 +164,8 @@ def test_block_wise_int4_latents_are_800_bytes_both_ways_and_averaged():
     a = (rng.standard_normal(1280) * np.where(np.arange(1280) < 64, 1e-4, 1e-1)).astype(np.float32)
     arrays, _ = s.aggregate_train(1, [reply(1, a, fmt="int4b"), reply(2, a, fmt="int4b"),
                                       reply(3, a, fmt="int4")])
-    assert s._round["clients"]["1"]["uplink_payload_bytes"] == 800
-    assert s._round["refused"] and "wire format" in str(s._round["refused"])
+    assert s.round_record()["clients"]["1"]["uplink_payload_bytes"] == 800
+    assert s.round_record()["refused"] and "wire format" in str(s.round_record()["refused"])
     z = codec.decode(arrays)["z"]
     assert codec.payload_bytes(s.downlink_arrays()) == 800 and s.downlink_arrays()["z"].stype == codec.INT4B
     small = float(np.abs(a[:64]).max())
@@ -197,14 +197,14 @@ def test_a_compact_reply_is_flowers_floor_plus_its_count_and_averages_exactly_as
     arrays_compact, _ = compact.aggregate_train(1, [compact_reply(1, a, 10), compact_reply(2, b, 30)])
     assert np.array_equal(full.global_state["z"], compact.global_state["z"])
     assert np.array_equal(codec.decode(arrays_full)["z"], codec.decode(arrays_compact)["z"])
-    client = compact._round["clients"]["1"]
+    client = compact.round_record()["clients"]["1"]
     assert client["uplink_payload_bytes"] == 648 and client["train_num-examples"] == 10
     assert client["uplink_wire_bytes"] == codec.wire_bytes(compact_reply(1, a, 10))
     # Postcard's share beyond Flower's floor (z's bytes alone in one record) is num-examples: ~20 bytes
     floor = compact_reply(1, a, 10)
     del floor.content["z"]["num-examples"]
     assert 0 < client["uplink_wire_bytes"] - codec.wire_bytes(floor) <= 24
-    assert full._round["clients"]["1"]["uplink_wire_bytes"] - client["uplink_wire_bytes"] > 1200
+    assert full.round_record()["clients"]["1"]["uplink_wire_bytes"] - client["uplink_wire_bytes"] > 1200
 
 
 @pytest.mark.parametrize("make, reason", [
@@ -220,13 +220,13 @@ def test_a_malformed_compact_reply_is_refused_and_the_state_is_unchanged(make, r
     s = compact_strategy()
     arrays, _ = s.aggregate_train(1, [make(np.ones(1280, np.float32) * 0.1)])
     assert arrays is None and not s.global_state["z"].any()
-    assert reason in s._round["refused"][0]["reason"], s._round["refused"]
+    assert reason in s.round_record()["refused"][0]["reason"], s.round_record()["refused"]
 
 
 def test_a_full_run_refuses_a_compact_reply_and_compact_is_refused_with_secure_aggregation():
     s = strategy(uplink="delta")
     s.aggregate_train(1, [compact_reply(1, np.ones(1280, np.float32) * 0.1)])
-    assert "but this run's replies are full" in s._round["refused"][0]["reason"]
+    assert "but this run's replies are full" in s.round_record()["refused"][0]["reason"]
     from fedapps.config import ConfigError
 
     with pytest.raises(ConfigError, match="compact reply"):
@@ -251,7 +251,7 @@ def test_compact_clients_train_and_the_server_learns_from_their_replies():
         assert [sorted(r.content) for r in replies] == [["z"], ["z"]]
         assert [sorted(r.content["z"]) for r in replies] == [["num-examples", "z"]] * 2
         strategy.aggregate_train(server_round, replies)
-        assert not strategy._round["refused"]
+        assert not strategy.round_record()["refused"]
         losses.append(evaluate_round(cfg, strategy, server_round, nodes)["loss"])
     assert losses[-1] < losses[0], losses
     strategy.fingerprint = "0" * 16  # a server of another parametrisation: the client refuses to train

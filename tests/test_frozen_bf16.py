@@ -30,7 +30,7 @@ def test_the_frozen_backbone_is_bf16_what_trains_is_fp32_and_the_round_learns(al
     before = evaluate_round(cfg, strategy, 0, nodes)["loss"]
     replies = train_round(cfg, strategy, 1, nodes)
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2, strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]
     after = evaluate_round(cfg, strategy, 1, nodes)["loss"]
     assert math.isfinite(after) and after < before, (before, after)
     model = client_model()

@@ -216,6 +216,6 @@ def test_every_method_trains_a_round_on_local_instructions(algorithm, tmp_path):
     nodes = {1: context(1), 2: context(2)}
     replies = train_round(cfg, strategy, 1, nodes)
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2, strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]
     metrics = evaluate_round(cfg, strategy, 1, nodes)
     assert 0.0 <= metrics["accuracy"] <= 1.0 and math.isfinite(metrics["loss"]), metrics

@@ -306,7 +306,7 @@ def test_every_method_trains_a_round_on_a_tiny_gemma3(algorithm, gemma_dir, tmp_
     nodes = {1: context(1), 2: context(2)}
     replies = train_round(cfg, strategy, 1, nodes)
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2, strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]
     metrics = evaluate_round(cfg, strategy, 1, nodes)
     assert math.isfinite(metrics["loss"]) and metrics["perplexity"] > 1, metrics
     from fedapps.session import session

@@ -27,7 +27,7 @@ def run_round(settings, updates, server_round=1):
     strategy = PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=len(updates), uplink="delta",
                              privacy=settings)
     strategy._start_round(server_round)
-    strategy._sent["train"] = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=v, message_type="train")
+    strategy.sent["train"] = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=v, message_type="train")
                                for v in updates]
     strategy.aggregate_train(server_round, [reply(v, u) for v, u in updates.items()])
     return strategy
@@ -54,7 +54,7 @@ def test_central_noise_has_the_accountants_standard_deviation_and_epsilon_is_rec
     # N(0, (z·clip)²) on the sum of the clipped updates, divided by the 4 sampled clients
     assert np.std(noise) == pytest.approx(settings.noise_multiplier * settings.clip / 4, rel=0.03)
     assert abs(np.mean(noise)) < 4 * settings.noise_multiplier * settings.clip / 4 / np.sqrt(noise.size)
-    record = strategy._round["privacy"]
+    record = strategy.round_record()["privacy"]
     assert record["rounds_released"] == 1 and record["epsilon"] == pytest.approx(settings.epsilon(1))
     assert record["epsilon"] < 4.0  # one of five planned rounds
     # a seeded run is reproducible; an unseeded one draws its noise from os.urandom
@@ -72,7 +72,7 @@ def test_clipping_bounds_every_clients_contribution_and_weights_are_uniform():
     expected = (3 * honest.astype(np.float64) + hostile / np.linalg.norm(hostile.astype(np.float64)) * 0.5) / 4
     np.testing.assert_allclose(shift, expected, rtol=1e-4)
     assert np.linalg.norm(shift - 3 * honest / 4) <= settings.clip / 4 + 1e-6  # at most clip / sampled clients
-    assert [b["kind"] for b in strategy._round["bounded"]] == ["dp-clipped"]
+    assert [b["kind"] for b in strategy.round_record()["bounded"]] == ["dp-clipped"]
 
 
 def test_local_noise_and_clipping_helpers():
@@ -90,4 +90,4 @@ def test_local_mode_the_server_averages_the_noised_updates_without_clipping_them
     noised = {v: np.random.default_rng(v).normal(0, settings.client_std, 20_000).astype(np.float32) for v in (1, 2)}
     strategy = run_round(settings, noised)
     np.testing.assert_allclose(strategy.global_state["w"], (noised[1] + noised[2]) / 2, atol=1e-6)
-    assert not strategy._round["bounded"] and strategy._round["privacy"]["mode"] == "local"
+    assert not strategy.round_record()["bounded"] and strategy.round_record()["privacy"]["mode"] == "local"

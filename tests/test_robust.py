@@ -49,7 +49,7 @@ def test_robust_aggregators_keep_one_outlier_of_five_near_the_honest_mean(aggreg
 def test_the_mean_with_the_norm_clip_stays_within_its_documented_bound():
     settings = Robustness()  # mean, clip at 10x the lower-median update norm
     strategy, mean, spread = five_clients(settings)
-    assert [b["node_id"] for b in strategy._round["bounded"]] == [5]
+    assert [b["node_id"] for b in strategy.round_record()["bounded"]] == [5]
     # bound: share (1/5) x (clipped norm + largest honest norm), clipped norm <= 10 x lower median
     honest_norm = robust.norm({k: np.ones(v.shape) for k, v in STATE.items()}) * 1.1
     assert distance(strategy, mean) <= 0.2 * (10 * honest_norm + honest_norm)
@@ -102,7 +102,7 @@ def test_a_non_finite_aggregate_refuses_the_round_and_keeps_the_state():
     strategy.global_state = {k: np.full(v.shape, 3e38, np.float32) for k, v in STATE.items()}
     arrays, _ = strategy.aggregate_train(1, replies)
     assert arrays is None and all(np.all(v == np.float32(3e38)) for v in strategy.global_state.values())
-    assert strategy._round["refused"][-1]["kind"] == "round"
+    assert strategy.round_record()["refused"][-1]["kind"] == "round"
 
 
 def eval_replies(strategy, metrics_for):
@@ -166,7 +166,7 @@ def test_smartfed_keeps_its_allocation_after_a_round_with_no_accepted_reply():
     garbage = [reply_to(requests[n], codec.encode({"x/ids": np.zeros(1, np.float32)})) for n in NODES]
     assert strategy.aggregate_train(1, garbage) == (None, None)
     assert {m: list(v) for m, v in strategy.allocation.active.items()} == before and strategy.eeqa.rounds == rounds
-    assert strategy._round["smartfed"]["reallocated"] is False
+    assert strategy.round_record()["smartfed"]["reallocated"] is False
 
 
 def test_collect_replies_hands_a_second_reply_to_the_strategy_which_refuses_it():
@@ -194,7 +194,7 @@ def test_collect_replies_hands_a_second_reply_to_the_strategy_which_refuses_it()
     replies, missing = collect_replies(TwiceGrid(), messages, timeout=5, poll=0.01)
     assert len(replies) == 5 and not missing
     strategy.aggregate_train(1, replies)
-    refused = strategy._round["refused"]
+    refused = strategy.round_record()["refused"]
     assert [(r["node_id"], r["kind"]) for r in refused] == [(4, "identity")] and "second reply" in refused[0]["reason"]
 
 

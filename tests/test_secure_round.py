@@ -52,7 +52,7 @@ def test_the_secure_mean_is_the_plain_mean_of_the_quantised_updates():
     updates = updates_for([3, 9, 14, 20])
     new = drive(strat, updates)
     np.testing.assert_allclose(flat(new), plain_mean(strat, updates, [3, 9, 14, 20]), atol=1e-6)
-    record = strat._round
+    record = strat.round_record()
     assert record["secure"]["uploaded"] == 4 and record["secure"]["modulus_bits"] == 18
     clients = record["clients"]
     assert all(c["uplink_payload_bytes"] == 17 * 4 for c in clients.values())  # 17 values, uint32 residues
@@ -72,7 +72,7 @@ def test_below_the_threshold_the_round_is_abandoned_and_the_state_unchanged():
     strat = strategy(SecureSettings(bits=16, clip=0.5, threshold=3))
     new = drive(strat, updates_for([3, 9, 14, 20]), skip_unmask=[3, 9])
     assert all(np.array_equal(new[k], STATE[k]) for k in STATE)
-    assert "fewer than the threshold 3" in strat._round["refused"][-1]["reason"]
+    assert "fewer than the threshold 3" in strat.round_record()["refused"][-1]["reason"]
 
 
 def test_a_hostile_upload_is_refused_by_its_size_and_a_hostile_value_moves_the_mean_at_most_the_bound():
@@ -84,10 +84,10 @@ def test_a_hostile_upload_is_refused_by_its_size_and_a_hostile_value_moves_the_m
         arrays["a"] = Array(dtype=a.dtype, shape=(13,), stype=a.stype, data=a.data + a.data[:4])
 
     new = drive(strat, updates_for([3, 9, 14, 20]), tamper=oversize)
-    refused = strat._round["refused"]
+    refused = strat.round_record()["refused"]
     assert refused and refused[0]["node_id"] == 20 and "must be postcard.secagg uint32 of shape (3, 4)" in \
         refused[0]["reason"]
-    assert strat._round["secure"]["uploaded"] == 3 and np.all(np.isfinite(flat(new)))
+    assert strat.round_record()["secure"]["uploaded"] == 3 and np.all(np.isfinite(flat(new)))
 
     strat = strategy()
 
@@ -109,11 +109,11 @@ def test_flite_checks_the_fingerprint_of_a_masked_reply_and_int4_masks_fit_in_a_
     updates = {v: {"z": np.random.default_rng(v).normal(0, 0.01, 20)} for v in (1, 2, 3, 4)}
     good = {FINGERPRINT_RECORD: ConfigRecord({"fingerprint": "fp"})}
     drive(strat, updates, records=good)
-    assert {c["uplink_payload_bytes"] for c in strat._round["clients"].values()} == {20}  # one byte a latent
+    assert {c["uplink_payload_bytes"] for c in strat.round_record()["clients"].values()} == {20}  # one byte a latent
     assert not np.array_equal(strat.global_state["z"], np.zeros(20, np.float32))
     strat = strategy(settings, cls=FliteStrategy)
     drive(strat, updates, records={FINGERPRINT_RECORD: ConfigRecord({"fingerprint": "other"})})
-    assert len(strat._round["refused"]) >= 4 and "fingerprint" in strat._round["refused"][0]["reason"]
+    assert len(strat.round_record()["refused"]) >= 4 and "fingerprint" in strat.round_record()["refused"][0]["reason"]
     assert np.array_equal(strat.global_state["z"], np.zeros(20, np.float32))
 
 
@@ -132,15 +132,15 @@ def test_a_malformed_stage_reply_drops_its_node_and_a_node_refuses_weaker_settin
     strat = strategy(SecureSettings(bits=16, clip=0.5, threshold=2))
     train = [Message(RecordDict({"arrays": strat.downlink_arrays(), "config": ConfigRecord({})}), dst_node_id=v,
                      message_type="train") for v in (1, 2, 3)]
-    msgs = strat.secure_begin(1, train)
+    msgs = strat.secure_stages.begin(1, train)
     assert [m.metadata.message_type for m in msgs] == [KEYS] * 3
     states = {v: RecordDict() for v in (1, 2, 3)}
     replies = [Message(client_keys(m, states[m.metadata.dst_node_id], strat.secure), reply_to=m) for m in msgs]
     replies[2].content[RECORD]["s-key"] = b"short"  # node 3's key is malformed
-    shares = strat.secure_keys(1, replies)
+    shares = strat.secure_stages.keys(1, replies)
     assert sorted(m.metadata.dst_node_id for m in shares) == [1, 2]
-    assert strat._secure.dropped[3].startswith("keys: its s key must be 32 bytes")
-    assert strat._round["refused"][-1]["node_id"] == 3 and strat._round["refused"][-1]["kind"] == "secagg"
+    assert strat.secure_stages.round.dropped[3].startswith("keys: its s key must be 32 bytes")
+    assert strat.round_record()["refused"][-1]["node_id"] == 3 and strat.round_record()["refused"][-1]["kind"] == "secagg"
     # a server asking node 1 for a threshold of 1 (shares that give the secret away) is refused
     shares[0].content[RECORD]["threshold"] = 1
     with pytest.raises(SecAggError, match="the server asks for threshold 1"):

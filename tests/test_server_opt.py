@@ -98,7 +98,7 @@ def test_a_round_refused_after_the_step_does_not_keep_its_moments():
     before = {k: v.copy() for k, v in strategy.opt_state.m.items()}
     state = {k: v.copy() for k, v in strategy.global_state.items()}
     arrays, _ = strategy.aggregate_train(2, [reply(1, payload(3e38), 10)])
-    assert arrays is None and "not finite" in strategy._round["refused"][0]["reason"]
+    assert arrays is None and "not finite" in strategy.round_record()["refused"][0]["reason"]
     assert strategy.opt_state.t == 1 and all(np.array_equal(strategy.opt_state.m[k], before[k]) for k in before)
     assert all(np.array_equal(strategy.global_state[k], state[k]) for k in state)
 

@@ -117,7 +117,7 @@ def test_sparse_aggregation_moves_only_updated_experts_and_reallocates():
         np.testing.assert_array_equal(strategy.state.A[m][others], before.A[m][others])
     # the global state the runner saves follows the expert state
     np.testing.assert_array_equal(strategy.global_state[f"{Q}/A"], strategy.state.A[Q])
-    record = strategy._round
+    record = strategy.round_record()
     assert record["smartfed"]["experts_updated"] == 4 and record["smartfed"]["active_experts"] == 4
     assert record["clients"]["1"]["uplink_experts"] == 4
     assert record["clients"]["1"]["uplink_payload_bytes"] == codec.payload_bytes(a)
@@ -176,7 +176,7 @@ def test_bad_payloads_are_refused_with_a_reason_and_leave_the_state(change, reas
             record[key] = Array(dtype="float32", shape=value.shape, stype=codec.FP32,
                                 data=np.ascontiguousarray(value, "<f4").tobytes())
     strategy.aggregate_train(1, [reply(1, record)])
-    refused = strategy._round["refused"]
+    refused = strategy.round_record()["refused"]
     assert len(refused) == 1 and reason in refused[0]["reason"], refused
     for m in strategy.expert_layout:
         np.testing.assert_array_equal(strategy.state.A[m], before.A[m])
@@ -189,8 +189,8 @@ def test_router_only_replies_may_not_carry_expert_updates():
     good = update_for(strategy)
     bad = dict(good, **{f"{Q}/A": np.zeros((len(good[f"{Q}/ids"]), 4), np.float32)})
     strategy.aggregate_train(1, [reply(1, codec.encode(bad)), reply(2, codec.encode(good))])
-    assert ["router-only" in r["reason"] for r in strategy._round["refused"]] == [True]
-    assert strategy._round["clients"]["2"]["uplink_experts"] == 4
+    assert ["router-only" in r["reason"] for r in strategy.round_record()["refused"]] == [True]
+    assert strategy.round_record()["clients"]["2"]["uplink_experts"] == 4
 
 
 def test_unmeasured_weight_lets_trained_experts_stay_active():
@@ -430,7 +430,7 @@ def test_router_rounds_freezes_the_routers_from_the_next_round(tiny, tmp_path):
         fields = {k.rsplit("/", 1)[1] for r in replies for k in r.content["arrays"]}
         assert ("router" in fields) == (server_round == 1) and {"A", "B", "ids"} <= fields
         strategy.aggregate_train(server_round, replies)
-        assert strategy._round["accepted"] == 2, strategy._round["refused"]
+        assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]
         assert any(not np.array_equal(A[m], strategy.state.A[m]) for m in A)
         assert any(not np.array_equal(router[m], strategy.state.router[m]) for m in router) == (server_round == 1)
     # once frozen, a reply that still carries router rows is refused
@@ -467,7 +467,7 @@ def test_an_int4_downlink_sends_the_expert_values_in_int4_and_clients_train_from
     A = {m: strategy.state.A[m].copy() for m in strategy.expert_layout}
     replies = train_round(cfg, strategy, 1, {1: context(1), 2: context(2)})
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2, strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]
     assert any(not np.array_equal(A[m], strategy.state.A[m]) for m in A)
 
 
@@ -489,4 +489,4 @@ def test_sensitivity_importance_reaches_eeqa_from_real_clients(tiny, tmp_path):
     assert reported and all(np.all(np.isfinite(v[1])) and np.all(v[1] >= 0) for v in reported)
     assert any(np.any(v[1] > 0) for v in reported)
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2, strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]

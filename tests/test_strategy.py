@@ -59,7 +59,7 @@ def test_aggregate_is_the_example_weighted_mean_and_bytes_are_recorded():
     arrays, metrics = strategy.aggregate_train(1, [reply(1, payload(1.0), 10), reply(2, payload(4.0), 30)])
     new = codec.decode(arrays)
     assert np.allclose(new["layer.lora_A"], 3.25) and np.allclose(strategy.global_state["layer.lora_B"], 3.25)
-    clients = strategy._round["clients"]
+    clients = strategy.round_record()["clients"]
     assert clients["1"]["uplink_payload_bytes"] == 256
     assert metrics["loss"] == pytest.approx(1.0)
 
@@ -90,7 +90,7 @@ def test_a_malformed_payload_is_refused_and_the_global_state_is_unchanged(bad, r
     arrays, _ = strategy.aggregate_train(1, [reply(7, bad())])
     assert arrays is None
     assert all(np.array_equal(strategy.global_state[k], before[k]) for k in before)
-    assert strategy._round["refused"][0]["node_id"] == 7 and reason in strategy._round["refused"][0]["reason"]
+    assert strategy.round_record()["refused"][0]["node_id"] == 7 and reason in strategy.round_record()["refused"][0]["reason"]
 
 
 def test_a_bad_reply_does_not_stop_the_good_ones():
@@ -99,7 +99,7 @@ def test_a_bad_reply_does_not_stop_the_good_ones():
     nan["layer.lora_A"] = Array(dtype="float32", shape=(4, 8), stype=codec.FP32, data=np.full((4, 8), np.inf, np.float32).tobytes())
     arrays, _ = strategy.aggregate_train(1, [reply(1, payload(2.0), 10), reply(2, nan, 1000), reply(3, payload(2.0), 0)])
     assert np.allclose(codec.decode(arrays)["layer.lora_A"], 2.0)
-    refused = {r["node_id"]: r["reason"] for r in strategy._round["refused"]}
+    refused = {r["node_id"]: r["reason"] for r in strategy.round_record()["refused"]}
     assert set(refused) == {2, 3} and "num-examples" in refused[3]
 
 
@@ -118,7 +118,7 @@ def test_missing_arrays_or_metrics_are_refused():
     request = Message(RecordDict({}), dst_node_id=4, message_type="train")
     no_metrics = Message(RecordDict({"arrays": payload(1.0)}), reply_to=request)
     arrays, _ = strategy.aggregate_train(1, [reply(3, None), no_metrics])
-    assert arrays is None and len(strategy._round["refused"]) == 2
+    assert arrays is None and len(strategy.round_record()["refused"]) == 2
 
 
 def test_fedprox_sends_mu_and_ffa_federates_only_b():
@@ -180,3 +180,41 @@ def test_fedprox_penalty_is_half_mu_times_the_squared_distance_and_holds_trainin
         params = dict(model.named_parameters())
         moved[mu] = sum(float(((params[n].detach() - v) ** 2).sum()) for n, v in reference.items())
     assert 0 < moved[50.0] < moved[0.0]  # the proximal term pulls the weights back towards the reference
+
+
+class _Doubling(PayloadFedAvg):
+    """A method combining replies its own way: twice the mean update."""
+
+    def combine(self, payloads, weights):
+        return {k: 2.0 * v for k, v in super().combine(payloads, weights).items()}
+
+    reads = 0
+
+    def reply_record(self, msg):
+        type(self).reads += 1
+        return super().reply_record(msg)
+
+
+def test_a_methods_combine_is_the_one_hook_every_plain_round_runs_and_each_reply_is_read_once():
+    from strategies.robust import Robustness
+
+    strategy, _ = make_strategy(_Doubling, robustness=Robustness(norm_clip="none", examples_multiple=None))
+    _Doubling.reads = 0
+    strategy.aggregate_train(1, [reply(1, payload(2.0)), reply(2, payload(4.0))])
+    # the clients' mean update is (3 − 1) for A (from 1) and 3 for B (from 0): doubled, then added
+    assert np.allclose(strategy.global_state["layer.lora_A"], 1 + 2 * 2.0)
+    assert np.allclose(strategy.global_state["layer.lora_B"], 2 * 3.0)
+    assert _Doubling.reads == 2  # one read per reply: decoded and counted from the same record
+
+
+def test_a_strategy_with_its_own_combine_is_refused_under_privacy_or_secure_aggregation():
+    from strategies.privacy import Privacy
+    from strategies.secure_round import SecureSettings
+
+    dp = Privacy.from_config({"mode": "central", "clip": 0.5, "delta": 1e-5, "noise_multiplier": 1.0},
+                             rounds=2, sample_rate=1.0)
+    with pytest.raises(ValueError, match="_Doubling combines replies its own way; differential privacy"):
+        make_strategy(_Doubling, uplink="delta", privacy=dp)
+    with pytest.raises(ValueError, match="_Doubling combines replies its own way; secure aggregation"):
+        make_strategy(_Doubling, uplink="delta", secure=SecureSettings(bits=16, clip=0.5))
+    make_strategy(PayloadFedAvg, uplink="delta", privacy=dp)  # the plain mean is what both release

@@ -66,7 +66,7 @@ def test_epsilon_is_accounted_at_the_rate_flower_really_samples():
     strat = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", num_clients=4,
                           uplink="delta", privacy=planned)
     round_of(strat, {v: (np.full(D, 0.01), {}) for v in (1, 2, 3, 4)})  # Flower sampled all 4 of 4
-    record = strat.history[-1] if strat.history else strat._round
+    record = strat.history[-1] if strat.history else strat.round_record()
     assert record["privacy"]["sample_rate"] == 1.0
     assert record["privacy"]["epsilon"] == pytest.approx(epsilon_spent(1.0, 1.0, 1, 1e-5))
     assert record["privacy"]["epsilon"] > planned.epsilon(1)
@@ -78,7 +78,7 @@ def test_epsilon_is_accounted_at_the_rate_flower_really_samples():
 def test_a_private_run_keeps_no_client_metric_per_client(private):
     strat = strategy(**private)
     round_of(strat, {v: (np.full(D, 0.01 * v), {"loss": 1.0 + v, "dp-norm": 3.0 * v}) for v in (1, 2, 3, 4)})
-    clients = strat._round["clients"]
+    clients = strat.round_record()["clients"]
     kept = {k for c in clients.values() for k in c if k.startswith("train_")}
     requests = push(strat.configure_evaluate(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3, 4])))
     aggregated = strat.aggregate_evaluate(1, [reply(requests[v], perplexity=20.0 + v) for v in (1, 2, 3, 4)])
@@ -127,7 +127,7 @@ def test_by_default_one_hostile_client_of_four_moves_the_state_less_than_the_hon
     attacked.aggregate_train(1, replies)
     moved = attacked.global_state["w"].astype(np.float64)
     assert np.linalg.norm(moved - step) < np.linalg.norm(step)  # with 10 / 100 it was 17x
-    kinds = {b["kind"] for b in attacked._round["bounded"] if b["node_id"] == 4}
+    kinds = {b["kind"] for b in attacked.round_record()["bounded"] if b["node_id"] == 4}
     assert kinds == {"examples-capped", "norm-clipped"}
 
 
@@ -149,7 +149,7 @@ def test_an_evaluation_claim_of_many_examples_does_not_set_the_metric():
 def test_a_huge_metric_record_is_refused_in_one_line(metrics, why):
     strat = strategy(clients=2)
     round_of(strat, {1: (np.full(D, 0.01), {}), 2: (np.full(D, 0.02), metrics)})
-    refused = strat._round["refused"]
+    refused = strat.round_record()["refused"]
     assert [(r["node_id"], r["kind"]) for r in refused] == [(2, "metrics")] and why in refused[0]["reason"]
     assert "\n" not in refused[0]["reason"] and len(refused[0]["reason"]) < 200
 
@@ -165,7 +165,7 @@ def test_one_clients_list_does_not_hide_a_metric_from_everyone():
 def test_a_client_metric_cannot_overwrite_the_servers_byte_accounting():
     strat = strategy(clients=2)
     round_of(strat, {1: (np.full(D, 0.01), {"downlink_payload_bytes": 1.0}), 2: (np.full(D, 0.01), {})})
-    clients = strat._round["clients"]
+    clients = strat.round_record()["clients"]
     assert clients["1"]["train_downlink_payload_bytes"] == clients["2"]["train_downlink_payload_bytes"] == 4 * D
 
 
@@ -174,6 +174,6 @@ def test_a_central_dp_server_records_the_norm_it_sees_and_nothing_the_client_rep
     central = Privacy(mode="central", clip=1e9, delta=1e-5, noise_multiplier=1e-9, rounds=1, sample_rate=1.0, seed=0)
     strat = strategy(clients=2, privacy=central)
     round_of(strat, {1: (np.full(D, 0.1), {"loss": 1.0}), 2: (np.full(D, 0.2), {"loss": 2.0})})
-    norms = {c["node_id"]: c["update_norm"] for c in strat._round["clients"].values()}
+    norms = {c["node_id"]: c["update_norm"] for c in strat.round_record()["clients"].values()}
     assert norms == pytest.approx({1: 0.1 * D ** 0.5, 2: 0.2 * D ** 0.5})
-    assert not [k for c in strat._round["clients"].values() for k in c if k == "train_loss"]
+    assert not [k for c in strat.round_record()["clients"].values() for k in c if k == "train_loss"]

@@ -67,7 +67,7 @@ def test_a_low_order_or_non_canonical_key_is_refused_by_name_and_the_round_compl
     local_round(strat, updates, hostile={KEYS: bad_key})
     honest = [3, 9, 20]
     np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, honest), atol=1e-6)
-    refused = strat._round["refused"]
+    refused = strat.round_record()["refused"]
     assert [r["node_id"] for r in refused] == [14] and r_kind(refused) == {"secagg"}
     assert "X25519 key" in refused[0]["reason"]
 
@@ -105,7 +105,7 @@ def test_a_holder_revealing_another_holders_index_is_named_and_the_round_complet
     local_round(strat, updates, hostile={UNMASK: relabel})
     np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes),
                                atol=1e-6)
-    refused = strat._round["refused"]
+    refused = strat.round_record()["refused"]
     assert [r["node_id"] for r in refused] == [9] and "index 1, its own is 2" in refused[0]["reason"]
 
 
@@ -122,7 +122,7 @@ def test_a_holder_lying_about_its_shares_at_n16_is_named_at_once_and_the_round_c
     finish = time.perf_counter() - start
     np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes),
                                atol=1e-6)
-    refused = strat._round["refused"]
+    refused = strat.round_record()["refused"]
     assert [r["node_id"] for r in refused] == [1] and "is not the one node" in refused[0]["reason"]
     assert finish < 8.6  # the old subset search spent 8.6 s here and then gave up
 
@@ -139,7 +139,7 @@ def test_a_dealer_sending_garbage_shares_cannot_stop_the_holders():
     # the honest holders reveal what they have; node 20's seed cannot be rebuilt (only its own share is
     # good): that round is void (the state unchanged), node 20 named and excluded from the rest of the run
     assert np.all(flat(strat.global_state) == 0)
-    reason = strat._round["refused"][-1]["reason"]
+    reason = strat.round_record()["refused"][-1]["reason"]
     assert "node 20 cheated" in reason and "4 holders had no valid share" in reason
     assert list(strat.banned) == [20]
 
@@ -154,7 +154,7 @@ def test_a_dealer_whose_shares_do_not_give_its_commitment_is_excluded_from_the_r
     local_round(strat, updates, hostile={SHARES: bad_commitment})
     assert np.all(flat(strat.global_state) == 0)  # that round is void: the state unchanged
     assert list(strat.banned) == [14] and "committed to" in strat.banned[14]
-    assert strat._round["excluded"] == [{"node_id": 14, "reason": strat.banned[14]}]
+    assert strat.round_record()["excluded"] == [{"node_id": 14, "reason": strat.banned[14]}]
     # the culprit gets no further message of the run: the next round goes on without it
     train = [Message(RecordDict(), dst_node_id=v, message_type="train") for v in nodes]
     assert [int(m.metadata.dst_node_id) for m in strat._unbanned(train)] == [3, 9, 20]
