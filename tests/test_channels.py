@@ -136,19 +136,19 @@ def test_a_hostile_latent_reply_moves_the_model_at_most_the_documented_bound():
     moved = np.sqrt(sum(np.sum(v ** 2) for v in change(strategy).values()))
     bound = strategy.channel.gain(1) * 0.5 / 2  # its clipped latents, half the mean
     assert 0 < moved <= bound * (1 + 1e-5)
-    assert [b["kind"] for b in strategy._round["bounded"]] == ["norm-clipped"]
+    assert [b["kind"] for b in strategy.round_record()["bounded"]] == ["norm-clipped"]
     # a reply of the wrong size is refused before anything is decoded
     strategy.aggregate_train(2, [reply(1, np.zeros(K + 1, np.float32))])
-    assert f"shape ({K + 1},)" in strategy._round["refused"][0]["reason"]
+    assert f"shape ({K + 1},)" in strategy.round_record()["refused"][0]["reason"]
 
 
 def test_privacy_noise_is_added_to_the_latents_and_stays_in_the_rounds_subspace():
     block = {"mode": "central", "epsilon": 4.0, "delta": 1e-5, "clip": 0.5, "noise_multiplier": None, "seed": 3}
     strategy = latent_strategy(privacy=Privacy.from_config(block, rounds=5, sample_rate=1.0))
     strategy._start_round(1)
-    strategy._sent["train"] = [Message(RecordDict({}), dst_node_id=v, message_type="train") for v in (1, 2)]
+    strategy.sent["train"] = [Message(RecordDict({}), dst_node_id=v, message_type="train") for v in (1, 2)]
     strategy.aggregate_train(1, [reply(1, np.zeros(K, np.float32)), reply(2, np.zeros(K, np.float32))])
-    assert strategy._round["privacy"]["rounds_released"] == 1
+    assert strategy.round_record()["privacy"]["rounds_released"] == 1
     moved = change(strategy)
     flat = np.concatenate([moved[k].ravel() for k in strategy.channel.keys])
     basis = np.stack([np.concatenate([v.ravel() for _, v in sorted(strategy.channel.expand(1, {
@@ -185,7 +185,7 @@ def test_fedavg_lora_through_each_channel_averages_what_the_clients_sent(channel
         updates.append(strategy.channel.expand(1, update) if channel == "latent" else update)
         weights.append(examples)
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2 and not strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2 and not strategy.round_record()["refused"]
     for key in strategy.uplink_keys:
         mean = sum(w * u[key] for w, u in zip(weights, updates)) / sum(weights)
         np.testing.assert_allclose(strategy.global_state[key] - before[key], mean, atol=2e-6)
@@ -233,7 +233,7 @@ def test_smartfed_experts_travel_as_latents_and_every_active_expert_moves_by_the
     strategy._start_round(1)
     parts, weights = zip(*[strategy.validate_reply(r) for r in replies])
     strategy.aggregate_train(1, replies)
-    assert strategy._round["accepted"] == 2 and not strategy._round["refused"]
+    assert strategy.round_record()["accepted"] == 2 and not strategy.round_record()["refused"]
     for m, ids in active.items():  # every active expert moved, by the weighted mean of the expanded latents
         for part in parts:
             assert part[m].ids.tolist() == ids
@@ -260,7 +260,7 @@ def test_a_latent_downlink_sends_the_rounds_latents_and_clients_replay_the_serve
     initial = {k: v.copy() for k, v in strategy.global_state.items()}
     for server_round in (1, 2):
         strategy.aggregate_train(server_round, train_round(cfg, strategy, server_round, nodes))
-        assert strategy._round["accepted"] == 2
+        assert strategy.round_record()["accepted"] == 2
         down = strategy.downlink_arrays()
         assert list(down.keys()) == [history_key(t) for t in range(1, server_round + 1)]
         assert codec.payload_bytes(down) == 648 * server_round
