@@ -11,21 +11,36 @@ Laid out as flash-linear-attention and PEFT lay out a method:
 * :mod:`clients.fednl.diagnostics`: streaming cross-entropy per 1K bin, peak memory.
 """
 
-from clients.fednl.config import FedNLConfig
-from clients.fednl.deltarule import delta_rule_chunked, delta_rule_recurrent, l2_normalize, ut_transform
-from clients.fednl.diagnostics import binned_nll, relative_ce
-from clients.fednl.layer import BetaProjection
-from clients.fednl.model import (
-    PAYLOAD_MODES,
-    add_delta_memory,
-    is_memory_param,
-    is_qkv_lora_param,
-    mark_trainable,
-    memory_attentions,
-    memory_gate_values,
-    meta_rule_names,
-)
-from clients.fednl.stream import FedNLStreamer, KVCacheStreamer, stream_logits, stream_token_nll, streamed_nll
+from clients.lazy import lazy_names
+
+# each name's submodule, imported when the name is first used (clients.lazy)
+_WHERE = {
+    "FedNLConfig": "config",
+    "delta_rule_chunked": "deltarule",
+    "delta_rule_recurrent": "deltarule",
+    "l2_normalize": "deltarule",
+    "ut_transform": "deltarule",
+    "binned_nll": "diagnostics",
+    "relative_ce": "diagnostics",
+    "BetaProjection": "layer",
+    "PAYLOAD_MODES": "model",
+    "add_delta_memory": "model",
+    "is_memory_param": "model",
+    "is_qkv_lora_param": "model",
+    "mark_trainable": "model",
+    "memory_attentions": "model",
+    "memory_gate_values": "model",
+    "meta_rule_names": "model",
+    "FedNLStreamer": "stream",
+    "KVCacheStreamer": "stream",
+    "stream_logits": "stream",
+    "stream_token_nll": "stream",
+    "streamed_nll": "stream",
+}
+
+
+__getattr__ = lazy_names(__name__, _WHERE)
+
 
 __all__ = [
     "PAYLOAD_MODES",

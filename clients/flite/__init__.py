@@ -8,33 +8,38 @@ travel, and because the map is linear, averaging latents is averaging weights.
 (injection, latents, layout, fingerprint, frozen orthogonal head).
 """
 
-from clients.flite.config import FliteConfig
-from clients.flite.layer import (
-    FliteConv,
-    FliteLayer,
-    FliteLinear,
-    FliteNorm,
-    LayerSpec,
-    generate_raw_factors,
-    layer_seed,
-)
-from clients.flite.model import (
-    apply_flite,
-    factor_checksum,
-    fingerprint,
-    flite_layers,
-    frozen_head_,
-    get_latents,
-    latents_by_layer,
-    layout,
-    merge_and_unload,
-    num_latents,
-    orthogonal_head_,
-    plan,
-    set_latents,
-    split_budget,
-    trainable_parameters,
-)
+from clients.lazy import lazy_names
+
+# each name's submodule, imported when the name is first used (clients.lazy)
+_WHERE = {
+    "FliteConfig": "config",
+    "FliteConv": "layer",
+    "FliteLayer": "layer",
+    "FliteLinear": "layer",
+    "FliteNorm": "layer",
+    "LayerSpec": "layer",
+    "generate_raw_factors": "layer",
+    "layer_seed": "layer",
+    "apply_flite": "model",
+    "factor_checksum": "model",
+    "fingerprint": "model",
+    "flite_layers": "model",
+    "frozen_head_": "model",
+    "get_latents": "model",
+    "latents_by_layer": "model",
+    "layout": "model",
+    "merge_and_unload": "model",
+    "num_latents": "model",
+    "orthogonal_head_": "model",
+    "plan": "model",
+    "set_latents": "model",
+    "split_budget": "model",
+    "trainable_parameters": "model",
+}
+
+
+__getattr__ = lazy_names(__name__, _WHERE)
+
 
 __all__ = [
     "FliteConfig",

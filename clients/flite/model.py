@@ -35,6 +35,7 @@ from clients.flite.layer import (
     build_factors,
     generate_raw_factors,
 )
+from clients.factors import split_budget  # noqa: F401 - shared with the latent channel; re-exported
 
 _NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm", "BatchNorm")
@@ -119,53 +120,6 @@ def _matrix_shape(module: nn.Module, kind: str, param_names: tuple[str, ...]) ->
     if kind in ("linear", "conv"):
         return int(weight.shape[0]), int(weight[0].numel())
     return len(param_names), int(weight.numel())
-
-
-def split_budget(total: int, weights: list[float], caps: list[int]) -> list[int]:
-    """Share ``total`` integer units among layers in proportion to ``weights``.
-
-    Every layer gets at least 1 and at most its cap: the real-valued shares are
-    ``clip(λ · weight, 1, cap)`` with ``λ`` found by bisection so that they sum to ``total``
-    (water filling), then rounded with the largest remainder method (ties: earlier layer
-    first), so the result sums to ``total`` exactly.
-    """
-    n = len(weights)
-    if n == 0:
-        return []
-    if any(not w > 0 for w in weights):
-        raise ValueError(f"split weights must be positive, got {weights}")
-    if total < n:
-        raise ValueError(f"a budget of {total} latents cannot give each of {n} layers one latent")
-    if total > sum(caps):
-        raise ValueError(f"a budget of {total} latents exceeds the {sum(caps)} parameters of the adapted layers")
-
-    def shares(lam: float) -> list[float]:
-        return [min(max(lam * w, 1.0), float(c)) for w, c in zip(weights, caps)]
-
-    lo, hi = 0.0, 1.0
-    while sum(shares(hi)) < total:
-        hi *= 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if sum(shares(mid)) < total:
-            lo = mid
-        else:
-            hi = mid
-    ideal = shares(hi)
-    alloc = [min(math.floor(x + 1e-9), c) for x, c in zip(ideal, caps)]
-    order = sorted(range(n), key=lambda i: (-(ideal[i] - alloc[i]), i))
-    left = total - sum(alloc)
-    while left > 0:  # the largest remainders first; loops again only on float round-off
-        for i in order:
-            if left and alloc[i] < caps[i]:
-                alloc[i] += 1
-                left -= 1
-    while left < 0:  # round-off the other way: take back from the smallest remainders
-        for i in reversed(order):
-            if left and alloc[i] > 1:
-                alloc[i] -= 1
-                left += 1
-    return alloc
 
 
 def split_weights(split: str, numels: list[int], names: list[str] | None = None,

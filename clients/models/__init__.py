@@ -14,7 +14,7 @@ def build_model(cfg):
     if kind == "vision":
         checkpoint = cfg.model.get("path")
         if cfg.get("base") is not None and cfg.base.name == "public":  # θ_pre, head included
-            from clients.pretrain import base_checkpoint
+            from clients.models.base import base_checkpoint
 
             checkpoint = base_checkpoint(cfg)
         return vision_model(cfg, checkpoint), None
