@@ -8,24 +8,27 @@ server (:func:`plan_lora_server`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from safetensors.numpy import load_file, save_file
 
-from clients.adapters import all_lora_state, apply_lora, federated_names, federated_state, load_federated_state
-from clients.flite import frozen_head_
-from clients.models import build_model
-from clients.train import evaluate as evaluate_model
-from clients.train import local_metrics, local_train
-from fedapps.channel import latent_training, received_state, server_channel, settings_of
+from fedapps.channel import received_state, server_channel, settings_of
 from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
                             uplink_kwargs)
 from fedapps.session import uplink_record
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
 
+if TYPE_CHECKING:  # annotations only
+    import torch
+
 
 def prepare(cfg):
     """Backbone + what the algorithm trains; ``extra['names']`` = the federated tensors."""
+    from clients.adapters import apply_lora, federated_names, federated_state
+    from clients.flite import frozen_head_
+    from clients.models import build_model
+
     model, tokenizer = build_model(cfg)
     if cfg.algorithm.trainable == "lora":
         if cfg.model.kind == "vision":  # LoRA adapts the features; the classifier is FLITE's frozen one
@@ -43,6 +46,10 @@ def prepare(cfg):
 def load_global(call: ClientCall) -> dict[str, torch.Tensor]:
     """The downlink (validated by the codec; a latent one replayed) into the model's federated tensors;
     returns them."""
+    import torch
+
+    from clients.adapters import load_federated_state
+
     s = call.session
     values = received_state(call.cfg, call.arrays, s.extra.get("initial", {}))
     state = {k: torch.from_numpy(v) for k, v in values.items()}
@@ -52,6 +59,10 @@ def load_global(call: ClientCall) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
+    from clients.adapters import federated_state
+    from clients.train import local_metrics, local_train
+    from fedapps.latent import latent_training
+
     cfg, s = call.cfg, call.session
     received = load_global(call)
     mu = float(call.config.get("proximal-mu", 0.0))
@@ -72,6 +83,8 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
+    from clients.train import evaluate as evaluate_model
+
     load_global(call)
     return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
@@ -87,6 +100,10 @@ def save_adapter(model, cfg, global_state: dict[str, np.ndarray], run_dir) -> di
     ``model.path`` as the user gave it, else the embedded checkpoint's hub id (``model.hub_id``),
     never this machine's cache path; a random-init causal LM's own weights, saved in
     ``run_dir/base_model``."""
+    import torch
+
+    from clients.adapters import load_federated_state
+
     load_federated_state(model, {k: torch.from_numpy(v) for k, v in global_state.items()})
     base = cfg.model.get("path") or cfg.model.get("hub_id")
     if base is None and cfg.model.kind == "causal_lm" and cfg.model.get("random_init"):
@@ -106,6 +123,8 @@ def save_adapter(model, cfg, global_state: dict[str, np.ndarray], run_dir) -> di
 
 
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
+    from clients.adapters import all_lora_state, federated_state
+
     model, _, extra = prepare(cfg)
     if cfg.algorithm.trainable == "lora":
         initial = {k: v.numpy() for k, v in all_lora_state(model).items()}
@@ -135,6 +154,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
 def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **strategy_kwargs) -> ServerPlan:
     """The server of a LoRA pair whose strategy is a FedAvgLoRA subclass with its own client method
     (FedALA, FedSSI): the initial adapter, the strategy, and the global adapter saved at the end."""
+    from clients.adapters import all_lora_state
+
     if cfg.algorithm.trainable != "lora" or cfg.algorithm.lora.get("send", "all") != "all":
         raise ValueError(f"{cfg.algorithm.name} federates whole LoRA adapters: trainable=lora, lora.send=all")
     model, _, _ = prepare(cfg)
@@ -154,6 +175,10 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
 def restore(cfg, run_dir):
     """The final global model: :func:`prepare` + the saved adapter (``adapter/``, PEFT's format) or
     full weights (``final_state.safetensors``)."""
+    import torch
+
+    from clients.adapters import load_federated_state
+
     model, tokenizer, extra = prepare(cfg)
     if cfg.algorithm.trainable == "lora":
         from peft import set_peft_model_state_dict
@@ -172,4 +197,7 @@ def restore(cfg, run_dir):
     return model, tokenizer
 
 
-METHODS = tuple(Method(name, prepare, train, evaluate, plan_server, restore) for name in STRATEGIES)
+LATENT_DOWNLINK = ("fedavg-lora", "fedprox", "ffa-lora", "fedavg-full")  # their clients replay latents (load_global)
+OWN_FORMAT = {"topk-ef": "topk", "powersgd": "powersgd"}  # a compressed update format that defines the method
+METHODS = tuple(Method(name, prepare, train, evaluate, plan_server, restore, latent_downlink=name in LATENT_DOWNLINK,
+                       own_format=OWN_FORMAT.get(name)) for name in STRATEGIES)

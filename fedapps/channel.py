@@ -22,30 +22,27 @@ federated tensors (in proportion to the square root of their sizes, at most
 ``channel.rank`` and the tensor's size each); :func:`round_factors` regenerates each tensor's
 factors for a round from ``channel.seed`` (``clients.flite.layer``: bit-identical on every
 machine, drawn afresh each round); :func:`server_channel` gives the strategy its
-``strategies.channel.LatentChannel``; :func:`latent_training` attaches the latents to the
-client's model (``torch.nn.utils.parametrize``: each federated tensor becomes ``received +
-ΔW(z)``, the received value frozen) for the length of local training and encodes ``z``.
+``strategies.channel.LatentChannel``; ``fedapps.latent.latent_training`` attaches the latents to
+the client's model for the length of local training and encodes ``z``.
+
+Composing a config imports this module: it imports no torch (the factors are made by
+``clients.factors``, imported when a round's factors are first needed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.nn as nn
-from torch.nn.utils import parametrize
 
 from strategies import codec
-from strategies.channel import DOWNLINKS, LATENT_KEY, LatentChannel, history_rounds, matrix_shape, replay
+from strategies.channel import DOWNLINKS, LatentChannel, history_rounds, matrix_shape, replay
 
 CHANNELS = ("method", "fp32", "int4", "topk", "powersgd", "latent")
-# the methods whose clients replay a latent downlink (fedapps.baselines.load_global -> received_state)
-LATENT_DOWNLINK = ("fedavg-lora", "fedprox", "ffa-lora", "fedavg-full")
 
 
 class ChannelError(ValueError):
@@ -93,10 +90,11 @@ settings_of = LatentSettings.of
 
 
 # ---------------------------------------------------------------------------- compose time
-def apply(cfg) -> None:
+def apply(cfg, replaying: Sequence[str] = ()) -> None:
     """Write the chosen channel into the algorithm's wire settings (``payload``, ``uplink``,
     ``compression``), or raise ChannelError when the method cannot carry it. ``cfg`` must be
-    writable (``finalize`` calls this before the config is frozen)."""
+    writable (``finalize`` calls this before the config is frozen); ``replaying``: the methods whose
+    clients replay a latent downlink (those whose record says ``latent_downlink``)."""
     block = cfg.get("channel")
     name = str(block.get("name", "method")) if block else "method"
     if name not in CHANNELS:
@@ -111,9 +109,9 @@ def apply(cfg) -> None:
                            f"(it carries: method{''.join(', ' + c for c in carried)})")
     if name == "latent":
         settings = settings_of(cfg)  # its settings are checked here, not on the first client
-        if settings.downlink == "latent" and str(algorithm.name) not in LATENT_DOWNLINK:
+        if settings.downlink == "latent" and str(algorithm.name) not in replaying:
             raise ChannelError(f"channel.downlink=latent: algorithm '{algorithm.name}' loads its downlink in a form "
-                               f"of its own; the clients that replay latents: {', '.join(LATENT_DOWNLINK)}")
+                               f"of its own; the clients that replay latents: {', '.join(replaying)}")
         fmt = str(block.get("format", "int4"))
         if fmt not in ("fp32", "int4", "int4b"):
             raise ChannelError(f"channel.format must be fp32, int4 or int4b, got {fmt!r}")
@@ -133,7 +131,7 @@ def apply(cfg) -> None:
 def allocate(shapes: dict[str, tuple[int, ...]], settings: LatentSettings) -> dict[str, int]:
     """Each federated tensor's latents: ``settings.latents`` split (``sqrt``: by the square root of
     its size, ``numel``: by its size, ``equal``), at least 1 and at most ``min(rank, size)`` each."""
-    from clients.flite.model import split_budget
+    from clients.factors import split_budget
 
     keys = sorted(shapes)
     sizes = [math.prod(matrix_shape(shapes[k])) for k in keys]
@@ -148,10 +146,10 @@ def allocate(shapes: dict[str, tuple[int, ...]], settings: LatentSettings) -> di
 
 
 def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], latents: dict[str, int],
-                  server_round: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each tensor's ``(A, B, V)`` of round ``server_round`` (CPU fp32; ``V`` orthonormalised and scaled
-    so that a latent vector of unit-RMS coordinates moves the tensor by ``scale`` in RMS)."""
-    from clients.flite.layer import LayerSpec, build_factors
+                  server_round: int) -> dict[str, tuple]:
+    """Each tensor's ``(A, B, V)`` of round ``server_round`` (CPU fp32 torch tensors; ``V`` orthonormalised
+    and scaled so that a latent vector of unit-RMS coordinates moves the tensor by ``scale`` in RMS)."""
+    from clients.factors import LayerSpec, build_factors
 
     out = {}
     for key in sorted(shapes):
@@ -235,67 +233,3 @@ def received_state(cfg, arrays, initial: dict[str, np.ndarray]) -> dict[str, np.
     _REPLAYED.clear()  # one replay kept: the latest
     _REPLAYED[cache_key] = (history, state)
     return {k: v.copy() for k, v in state.items()}
-
-
-class LatentDelta(nn.Module):
-    """A parametrization: the frozen received value plus ``ΔW(z)``; ``z`` (zeros) is what trains."""
-
-    def __init__(self, A: torch.Tensor, B: torch.Tensor, V: torch.Tensor, shape: tuple[int, ...]) -> None:
-        super().__init__()
-        self.shape = tuple(shape)
-        self.z = nn.Parameter(torch.zeros(V.shape[0], dtype=torch.float32, device=A.device))
-        self.register_buffer("A", A, persistent=False)
-        self.register_buffer("B", B, persistent=False)
-        self.register_buffer("V", V, persistent=False)
-
-    def forward(self, received: torch.Tensor) -> torch.Tensor:
-        s = self.z @ self.V
-        return received + ((self.A * s) @ self.B).reshape(self.shape).to(received.dtype)
-
-
-class LatentRun:
-    """One round's latents on a client: attached by :func:`latent_training`, read after it."""
-
-    def __init__(self) -> None:
-        self.z: np.ndarray | None = None
-
-    def record(self, cfg, context, seed: int):
-        """The uplink: ``{LATENT_KEY: z}`` in ``channel.format`` (int4 with seeded stochastic rounding)."""
-        from fedapps.session import uplink_record
-
-        return uplink_record(cfg, context, {LATENT_KEY: self.z}, {LATENT_KEY: np.zeros_like(self.z)}, seed)
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), attr
-
-
-@contextlib.contextmanager
-def latent_training(call, model: nn.Module, names: list[str]):
-    """Train ``names`` (the federated tensors, holding the received values) only through this round's
-    latents: yields a :class:`LatentRun` (None when the run's channel is not latent). On exit the
-    model's tensors hold ``received + ΔW(z)`` as plain parameters again, and ``run.z`` the latents."""
-    settings = settings_of(call.cfg)
-    if settings is None:
-        yield None
-        return
-    params = dict(model.named_parameters())
-    factors = cached_factors(settings, tuple((n, tuple(params[n].shape)) for n in sorted(names)),
-                             int(call.server_round))
-    run, attached = LatentRun(), []
-    try:
-        for name in sorted(names):
-            param = params[name]
-            module, attr = _owner(model, name)
-            A, B, V = (t.to(param.device) for t in factors[name])
-            parametrize.register_parametrization(module, attr, LatentDelta(A, B, V, tuple(param.shape)), unsafe=True)
-            attached.append((name, module, attr, param.requires_grad))
-            module.parametrizations[attr].original.requires_grad_(False)
-        yield run
-        run.z = np.concatenate([module.parametrizations[attr][0].z.detach().cpu().numpy()
-                                for _, module, attr, _ in attached]).astype(np.float32)
-    finally:
-        for name, module, attr, trainable in reversed(attached):
-            parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
-            getattr(module, attr).requires_grad_(trainable)

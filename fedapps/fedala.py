@@ -11,20 +11,20 @@ the one local loop and replies with the trained adapter; the server averages
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import hashlib
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 
-from clients.adapters import federated_state, load_federated_state
-from clients.fedala import adaptive_local_aggregation, model_order
-from clients.train import evaluate as evaluate_model
-from clients.train import local_metrics, local_train
 from fedapps.baselines import plan_lora_server, prepare, restore
 from fedapps.method import ClientCall, Method, ServerPlan, Update, round_seed
 from strategies import codec
 from strategies.fedala import FedALA
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 LOCAL = "fedala.local"  # context.state: this node's own adapter
 WEIGHTS = "fedala.weights"  # context.state: its ALA weights (top tensors)
@@ -42,6 +42,8 @@ def fingerprint(arrays: ArrayRecord) -> str:
 
 
 def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    import torch
+
     return {k: torch.from_numpy(v) for k, v in codec.decode(record).items()}
 
 
@@ -54,6 +56,11 @@ def absorb_global(s, context: Context, arrays: ArrayRecord, server_round: int) -
 
     Leaves the node's (ALA'd) adapter in the model; returns ALA metrics.
     """
+    import torch
+
+    from clients.adapters import load_federated_state
+    from clients.fedala import adaptive_local_aggregation, model_order
+
     names = model_order(s.model, s.extra["names"])
     fp = fingerprint(arrays)
     status = context.state.config_records.get(STATUS)
@@ -83,6 +90,9 @@ def absorb_global(s, context: Context, arrays: ArrayRecord, server_round: int) -
 
 
 def train(call: ClientCall) -> Update:
+    from clients.adapters import federated_state
+    from clients.train import local_metrics, local_train
+
     cfg, s = call.cfg, call.session
     ala_metrics = absorb_global(s, call.context, call.arrays, call.server_round)
     metrics = local_train(s.model, s.task, cfg.train, seed=call.seed)
@@ -95,6 +105,8 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
+    from clients.train import evaluate as evaluate_model
+
     s = call.session
     ala_metrics = absorb_global(s, call.context, call.arrays, call.server_round)
     metrics = evaluate_model(s.model, s.task, call.cfg.eval)  # the personalised (ALA'd) adapter

@@ -25,29 +25,23 @@ the same round (the evaluation that follows aggregation) it gives the aggregatio
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from flwr.app import Context
 from safetensors.numpy import load_file, save_file
 
-from clients.adapters import apply_lora, federated_state, load_federated_state
-from clients.fednl import (
-    PAYLOAD_MODES,
-    FedNLConfig,
-    add_delta_memory,
-    mark_trainable,
-    memory_gate_values,
-    meta_rule_names,
-)
-from clients.models import build_model
-from clients.train import evaluate as evaluate_model
-from clients.train import local_metrics, local_train
-from fedapps.channel import latent_training, server_channel
-from fedapps.method import (ClientCall, Method, ServerPlan, Update, final_file, learning_rates,
+from clients.fednl.config import FedNLConfig
+from fedapps.channel import server_channel
+from fedapps.method import (ClientCall, ConfigError, Method, ServerPlan, Update, final_file, learning_rates,
                             strategy_settings, uplink_kwargs)
 from fedapps.session import uplink_record
 from strategies import codec
+from strategies.fednl import MODES as PAYLOAD_MODES
 from strategies.fednl import FedNL, gate_alpha
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 LOCAL_LORA = "fednl.local-lora"  # context.state key of a node's own LoRA (payload mode 'gate')
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -85,6 +79,15 @@ def memory_config(cfg) -> FedNLConfig:
         raise FedNLSetupError(f"invalid algorithm.memory: {err}") from None
 
 
+def check(cfg) -> None:
+    """FedNL's ``algorithm.memory`` as its clients will build it (:func:`memory_config`), when the config is
+    composed: a bad window, sink or gate fails there, not after the simulation has started."""
+    try:
+        memory_config(cfg)
+    except FedNLSetupError as err:
+        raise ConfigError(str(err)) from None
+
+
 def prepare(cfg):
     """Backbone + delta memory + LoRA on q/k/v, with θ trainable.
 
@@ -92,6 +95,12 @@ def prepare(cfg):
     the client: the LoRA in mode 'gate', nothing otherwise), ``local_init`` (their
     shared seeded values) and ``mode``.
     """
+    import torch
+
+    from clients.adapters import apply_lora, federated_state
+    from clients.fednl import add_delta_memory, mark_trainable, meta_rule_names
+    from clients.models import build_model
+
     mode = payload_mode(cfg)
     if cfg.model.kind != "causal_lm":
         raise FedNLSetupError(f"FedNL adds a memory to a causal LM's attention; model '{cfg.model.name}' is not one")
@@ -130,6 +139,10 @@ LR_PATTERNS = {"gate": "fednl_gate", "beta": "fednl_beta", "lora": "lora_"}  # a
 
 def load_theta(model, arrays) -> dict[str, torch.Tensor]:
     """Decode a θ ArrayRecord (validated by the codec) into the model's parameters."""
+    import torch
+
+    from clients.adapters import load_federated_state
+
     state = {k: torch.from_numpy(v) for k, v in codec.decode(arrays).items()}
     load_federated_state(model, state)
     return state
@@ -140,6 +153,10 @@ def load_final(cfg, path):
 
     In mode 'gate' the LoRA is the shared init (each client's own LoRA stayed with it).
     """
+    import torch
+
+    from clients.adapters import load_federated_state
+
     model, tokenizer, extra = prepare(cfg)
     state = load_file(str(path))
     missing = sorted(set(extra["names"]) - set(state))
@@ -152,6 +169,10 @@ def load_final(cfg, path):
 # ---------------------------------------------------------------------------- client helpers
 def restore_local(s, context: Context) -> None:
     """Load this node's own LoRA (mode 'gate'), or the shared init before it has one."""
+    import torch
+
+    from clients.adapters import load_federated_state
+
     if not s.extra["local_names"]:
         return
     if LOCAL_LORA in context.state.array_records:
@@ -162,18 +183,26 @@ def restore_local(s, context: Context) -> None:
 
 
 def keep_local(s, context: Context) -> None:
+    from clients.adapters import federated_state
+
     if s.extra["local_names"]:
         state = federated_state(s.model, s.extra["local_names"])
         context.state[LOCAL_LORA] = codec.encode({k: v.numpy() for k, v in state.items()}, "fp32")
 
 
 def gate_metrics(model) -> dict[str, float]:
+    from clients.fednl import memory_gate_values
+
     alphas = memory_gate_values(model)
     return {"gate-alpha-mean": float(np.mean(alphas)), "gate-alpha-max": float(np.max(alphas))}
 
 
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
+    from clients.adapters import federated_state
+    from clients.train import local_metrics, local_train
+    from fedapps.latent import latent_training
+
     cfg, s = call.cfg, call.session
     received = load_theta(s.model, call.arrays)
     restore_local(s, call.context)
@@ -191,6 +220,8 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
+    from clients.train import evaluate as evaluate_model
+
     s = call.session
     load_theta(s.model, call.arrays)
     restore_local(s, call.context)
@@ -201,6 +232,8 @@ def evaluate(call: ClientCall) -> dict:
 
 # ---------------------------------------------------------------------------- server
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
+    from clients.adapters import federated_state
+
     model, _, extra = prepare(cfg)
     initial = {k: v.numpy() for k, v in federated_state(model, extra["names"]).items()}
     del model  # the server needs θ's layout and initial values, not the model
@@ -226,4 +259,5 @@ def restore(cfg, run_dir):
     return load_final(cfg, final_file(run_dir, "fednl_theta.safetensors"))
 
 
-METHOD = Method("fednl", prepare, train, evaluate, plan_server, restore)
+METHOD = Method("fednl", prepare, train, evaluate, plan_server, restore, check=check, errors=(FedNLSetupError,),
+                export="FedNL's delta-rule memory is part of no Hugging Face architecture")

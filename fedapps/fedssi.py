@@ -10,12 +10,7 @@ personalised model to evaluate).
 
 from __future__ import annotations
 
-import torch
 
-from clients.adapters import federated_state, load_federated_state
-from clients.fedssi import ssi_round
-from clients.train import evaluate as evaluate_model
-from clients.train import local_metrics
 from fedapps.baselines import plan_lora_server, prepare, restore
 from fedapps.method import ClientCall, Method, ServerPlan, Update
 from strategies import codec
@@ -26,6 +21,12 @@ OMEGA = "fedssi.omega"  # context.state: this node's accumulated SI importance Î
 
 # ---------------------------------------------------------------------------- client
 def train(call: ClientCall) -> Update:
+    import torch
+
+    from clients.adapters import federated_state, load_federated_state
+    from clients.fedssi import ssi_round
+    from clients.train import local_metrics
+
     cfg, s, context = call.cfg, call.session, call.context
     names = s.extra["names"]
     device = next(s.model.parameters()).device
@@ -47,6 +48,11 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
+    import torch
+
+    from clients.adapters import load_federated_state
+    from clients.train import evaluate as evaluate_model
+
     s = call.session
     load_federated_state(s.model, {k: torch.from_numpy(v) for k, v in codec.decode(call.arrays).items()})
     return evaluate_model(s.model, s.task, call.cfg.eval)

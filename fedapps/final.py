@@ -17,7 +17,8 @@ the base weights (a Hugging Face checkpoint for a causal LM, loadable with
 ``AutoModelForCausalLM.from_pretrained``; a state-dict ``model.safetensors`` for a vision
 model, loadable with ``model.path=``). FedNL's delta-rule memory belongs to no Hugging Face
 architecture and SmartFed routes each token to its own experts, so neither merges into
-static weights: use :func:`load_run` for them.
+static weights: use :func:`load_run` for them. Each method's record says which
+(``Method.export``: its own merge, or why it cannot be exported).
 """
 
 from __future__ import annotations
@@ -29,11 +30,6 @@ from pathlib import Path
 import torch
 
 from fedapps.method import FinalStateError
-
-NOT_MERGEABLE = {
-    "fednl": "FedNL's delta-rule memory is part of no Hugging Face architecture",
-    "smartfed": "SmartFed routes every token to its own rank-1 experts, which no static weights reproduce",
-}
 
 
 @dataclass
@@ -127,18 +123,19 @@ class FinalModel:
         """Write the merged model to ``target`` (see the module docstring); returns the folder.
 
         The model in memory is merged in place: load the run again to use it unmerged."""
+        from fedapps import registry
+
         name = str(self.cfg.algorithm.name)
-        if name in NOT_MERGEABLE:
-            raise FinalStateError(f"{name} cannot be exported as static weights: {NOT_MERGEABLE[name]}; load it with "
+        export = registry.get(name).export
+        if isinstance(export, str):
+            raise FinalStateError(f"{name} cannot be exported as static weights: {export}; load it with "
                                   f"fedapps.final.load_run('{self.run_dir}')")
         target = Path(target).expanduser().resolve()
         if target.exists() and any(target.iterdir()):
             raise FinalStateError(f"{target} exists and is not empty; give a new folder")
         model = self.model
-        if name == "flite":
-            from clients.flite import merge_and_unload
-
-            model = merge_and_unload(model)
+        if export is not None:  # the method's own merge
+            model = export(model)
         elif hasattr(model, "merge_and_unload"):  # a PEFT model
             model = model.merge_and_unload()
         target.mkdir(parents=True, exist_ok=True)
@@ -161,7 +158,7 @@ class FinalModel:
 def load_run(run_dir: str | Path) -> FinalModel:
     """The final global model of a completed run folder (see the module docstring)."""
     from fedapps import registry
-    from fedapps.config import from_yaml
+    from fedapps.resolved import from_yaml
 
     run_dir = Path(run_dir).expanduser().resolve()
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.yaml"

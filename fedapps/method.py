@@ -14,8 +14,15 @@ place (PEFT's ``register_peft_method`` is the model):
 * ``restore(cfg, run_dir) -> (model, tokenizer)`` rebuilds the final global model from what
   ``save_final`` wrote (``fedapps.final.load_run``: inference, evaluation, export).
 
+and, where it differs from the defaults, what the wiring needs to know about it (so nothing
+outside its module names it): ``check`` (its settings, at compose time), ``errors`` (its
+user-facing error types), ``export`` (how its final model becomes static weights, or why it
+cannot), ``latent_downlink``, ``own_combine``, ``own_format``; see :class:`Method`.
+
 The model kinds a method runs on are declared in its ``conf/algorithm/<name>.yaml``
-(``models:``) and checked when the config is composed, before any model is imported.
+(``models:``) and checked when the config is composed, before any model is imported: a
+method's module imports torch and its client code inside the functions that use them, so
+``fedapps.registry`` and composing a config import no torch.
 """
 
 from __future__ import annotations
@@ -73,6 +80,11 @@ class Update:
     content: RecordDict | None = None  # a reply form of the method's own, sent as it is (FLITE's compact reply)
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be composed or does not fit; the message names the fix (or lists the
+    valid choices). ``fedapps.config`` raises it, and so does a method's ``check``."""
+
+
 @dataclass(frozen=True)
 class Method:
     """One federated method as Postcard runs it (see the module docstring)."""
@@ -83,6 +95,19 @@ class Method:
     evaluate: Callable[[ClientCall], dict]
     plan_server: Callable[..., ServerPlan]
     restore: Callable[[object, object], tuple]  # (cfg, run_dir) -> (model, tokenizer)
+    # (cfg) -> None, when the config is composed (fedapps.checks.validate; cfg still writable): its own
+    # settings, as its clients and server will build them; raises ConfigError. Imports no torch.
+    check: Callable[[object], None] | None = None
+    # its exception types whose message names the fix: the ServerApp logs them in one line, no traceback
+    errors: tuple[type[BaseException], ...] = ()
+    # its final model as static weights (fedapps.final.FinalModel.export): None = the model as it is
+    # (a PEFT model merges its adapters); a callable model -> merged model; a string: why it cannot be
+    export: Callable[[object], object] | str | None = None
+    latent_downlink: bool = False  # its clients replay a latent downlink (channel.downlink=latent)
+    # its strategy overrides the combine hook (combines the updates by a rule of its own): differential
+    # privacy and secure aggregation, which work on the weighted mean of dense updates, are refused
+    own_combine: bool = False
+    own_format: str | None = None  # a compressed update format that is its own wire format (topk-ef: topk)
 
 
 class FinalStateError(RuntimeError):

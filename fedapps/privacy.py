@@ -9,12 +9,16 @@ result back in the method's own format (an absolute uplink: received + clipped u
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fedapps.method import ClientCall, Update
 from strategies import codec
 from strategies.privacy import Privacy, add_noise, clip_update
+
+if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's privacy from settings_of)
+    from fedapps.method import ClientCall, Update
 
 
 def settings_of(cfg) -> Privacy | None:

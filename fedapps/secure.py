@@ -9,15 +9,19 @@ what it trained minus what it received.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from omegaconf import OmegaConf
 
-from fedapps.method import ClientCall
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
 from strategies.secure_round import (KEYS, RECORD, SHARES, UNMASK, SecureSettings, client_keys, client_mask,
                                      client_shares, client_unmask)
+
+if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's settings from settings_of)
+    from fedapps.method import ClientCall
 
 
 def auto_clip(cfg) -> float:

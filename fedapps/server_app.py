@@ -17,25 +17,29 @@ from clients.assets import AssetMissing
 from clients.models.llm import ModelError
 from clients.models.weights import CheckpointError
 from clients.partition import PartitionError
-from clients.smartfed.pool import PoolError
 from clients.tasks.base import TaskError
 from fedapps.checkpoint import ResumeError
+from fedapps import registry
 from fedapps.config import ConfigError, compose_from_run_config
-from fedapps.fednl import FedNLSetupError
 from fedapps.runner import NoReplies, ServerSetupError, run_server
-from fedapps.smartfed import SmartFedError
 
-# errors whose message says what to change: logged in one line, without a traceback
-USER_ERRORS = (ConfigError, ServerSetupError, NoReplies, ResumeError, SmartFedError, FedNLSetupError, PoolError,
-               PartitionError, TaskError, AssetMissing, AdapterError, ModelError, CheckpointError)
+# errors whose message says what to change: logged in one line, without a traceback (and each method's own:
+# its record's ``errors``, see user_errors)
+USER_ERRORS = (ConfigError, ServerSetupError, NoReplies, ResumeError, PartitionError, TaskError, AssetMissing,
+               AdapterError, ModelError, CheckpointError)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """:data:`USER_ERRORS` and every registered method's own (``Method.errors``)."""
+    return USER_ERRORS + tuple(error for method in registry.METHODS.values() for error in method.errors)
 
 
 class OneLineUserErrors(logging.Filter):
-    """Turn Flower's "ServerApp raised an exception" + traceback into one line for :data:`USER_ERRORS`."""
+    """Turn Flower's "ServerApp raised an exception" + traceback into one line for :func:`user_errors`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, USER_ERRORS):
+        if isinstance(error, user_errors()):
             record.msg, record.args = f"{record.getMessage()}: {error}", ()
             record.exc_info, record.exc_text = None, None
         return True

@@ -34,7 +34,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from omegaconf import OmegaConf
 
-from fedapps.config import from_yaml
+from fedapps.resolved import from_yaml
 from strategies.base import CONFIG_RECORD
 
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "model-path", "data-path", "device")

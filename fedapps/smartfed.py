@@ -32,23 +32,11 @@ import numpy as np
 from flwr.common.logger import log
 from safetensors.numpy import load_file, save_file
 
-from clients.models import build_model
-from clients.models.llm import causal_lm_config
-from clients.smartfed.more import (
-    ExpertSet,
-    MixtureError,
-    MoREConfig,
-    active_state,
-    importance_state,
-    load_mixture,
-    more_modules,
-    to_layout_ids,
-)
-from clients.smartfed.pool import POOL_FILE, Pool, PoolError, backbone_descriptor, backbone_fingerprint, default_pool_dir
-from clients.train import evaluate as evaluate_model
-from clients.train import local_train
-from fedapps.channel import channel_factory, latent_training
-from fedapps.method import (ClientCall, Method, ServerPlan, Update, final_file, learning_rates,
+from clients.smartfed.config import MoREConfig
+from clients.smartfed.pool import (POOL_FILE, ExpertSet, Pool, PoolError, backbone_descriptor, backbone_fingerprint,
+                                   default_pool_dir)
+from fedapps.channel import channel_factory
+from fedapps.method import (ClientCall, ConfigError, Method, ServerPlan, Update, final_file, learning_rates,
                             strategy_settings)
 from fedapps.session import ClientSetupError
 from strategies import codec, sparse
@@ -75,8 +63,48 @@ def more_config(cfg) -> MoREConfig:
     )
 
 
+def check(cfg) -> None:
+    """SmartFed's settings when the config is composed: the MoRE layer settings (``top_k``, ``mode``,
+    ``gate_mode``, ``importance``, ...) as its clients will build them (:func:`more_config`),
+    ``router_rounds``, and the robust aggregator and server optimiser its sparse expert updates allow."""
+    from omegaconf import OmegaConf
+
+    from strategies.robust import Robustness
+    from strategies.server_opt import ServerOptimizer
+
+    try:
+        more_config(cfg)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"SmartFed's settings (algorithm.*): {err}") from None
+    _check_router_rounds(cfg.algorithm)
+    aggregator = Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)).aggregator
+    if aggregator != "mean":
+        raise ConfigError(f"algorithm 'smartfed' combines sparse expert updates by the weighted mean only; "
+                          f"robust '{aggregator}' does not apply (use robust=default or robust=off)")
+    block = cfg.strategy.get("server_optimizer")
+    optimizer = ServerOptimizer.from_mapping(None if block is None else OmegaConf.to_container(block, resolve=True))
+    if not optimizer.plain:
+        raise ConfigError(f"algorithm 'smartfed' applies its sparse expert updates as they are; "
+                          f"strategy.server_optimizer.name={optimizer.name!r} is not supported (use fedavg)")
+
+
+def _check_router_rounds(algorithm) -> None:
+    """``router_rounds``: null, or the rounds (>= 1) its routers train before they are frozen."""
+    if algorithm.get("router_rounds") is None:
+        return
+    value = algorithm.router_rounds
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"algorithm.router_rounds must be null (train the routers every round) or an integer "
+                          f">= 1, got {value!r}")
+    if str(algorithm.get("mode")) == "router-only":
+        raise ConfigError("algorithm.router_rounds freezes the routers, but mode=router-only trains nothing else; "
+                          "use mode=experts+router")
+
+
 def prepare(cfg):
     """The frozen backbone; MoRE layers come with each message (``load_mixture``)."""
+    from clients.models import build_model
+
     if cfg.model.kind != "causal_lm":
         raise SmartFedError(f"SmartFed mixes LoRA experts into a causal LM; model '{cfg.model.name}' is {cfg.model.kind}")
     model, tokenizer = build_model(cfg)
@@ -85,6 +113,8 @@ def prepare(cfg):
 
 def _receive(call: ClientCall) -> dict[str, np.ndarray]:
     """Backbone check, then the round's mixture loaded into the model; returns its layout ids."""
+    from clients.smartfed.more import MixtureError, load_mixture
+
     s = call.session
     expected = call.config.get(BACKBONE_KEY)
     if expected is not None and str(expected) != s.extra["backbone_fingerprint"]:
@@ -104,11 +134,17 @@ LR_PATTERNS = {"experts": "expert_", "router": "router"}  # algorithm.lr key -> 
 # ---------------------------------------------------------------------------- client
 def _trained_state(model, routers_frozen: bool) -> dict[str, np.ndarray]:
     """The active experts' trained tensors, packed (without the router rows once those are frozen)."""
+    from clients.smartfed.more import active_state
+
     state = active_state(model)
     return {k: v for k, v in state.items() if not (routers_frozen and k.endswith("/router"))}
 
 
 def train(call: ClientCall) -> Update:
+    from clients.smartfed.more import importance_state, more_modules, to_layout_ids
+    from clients.train import local_train
+    from fedapps.latent import latent_training
+
     ids = _receive(call)
     model = call.session.model
     frozen = bool(call.config.get("router-frozen", False))  # algorithm.router_rounds have passed
@@ -140,6 +176,8 @@ def train(call: ClientCall) -> Update:
 
 
 def evaluate(call: ClientCall) -> dict:
+    from clients.train import evaluate as evaluate_model
+
     _receive(call)
     return evaluate_model(call.session.model, call.session.task, call.cfg.eval)
 
@@ -226,6 +264,8 @@ def budget_of(cfg, num_matrices: int) -> int:
 
 
 def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
+    from clients.models.llm import causal_lm_config
+
     a = cfg.algorithm
     if float(cfg.train.get("weight_decay", 0.0) or 0.0) != 0.0:
         raise SmartFedError(
@@ -300,6 +340,8 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
 
 def load_run_mixture(model, run_dir, cfg) -> dict[str, np.ndarray]:
     """Put a finished run's final mixture (its saved experts and active sets) on ``model``."""
+    from clients.smartfed.more import load_mixture
+
     folder = Path(run_dir) / "smartfed"
     layout = sparse.ExpertLayout.from_json((folder / "layout.json").read_text())
     state = ExpertState.from_tensors(layout, load_file(str(folder / "experts.safetensors")))
@@ -315,7 +357,9 @@ def restore(cfg, run_dir):
     return model, tokenizer
 
 
-METHOD = Method("smartfed", prepare, train, evaluate, plan_server, restore)
+METHOD = Method("smartfed", prepare, train, evaluate, plan_server, restore, check=check,
+                errors=(SmartFedError, PoolError), own_combine=True,
+                export="SmartFed routes every token to its own rank-1 experts, which no static weights reproduce")
 
 __all__ = [
     "METHOD",

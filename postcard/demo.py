@@ -67,17 +67,20 @@ def parse_args(argv=None):
         p.error("--clients must be >= 1")
     from fedapps.config import ConfigError, compose
 
+    args.pooled = []  # the methods that read a knowledge pool (their algorithm group has a `pool` key: SmartFed)
     try:  # fail before any run starts: every method's configuration must compose
         for method in args.methods:
-            compose([*run_overrides(args, method)], task="shakespeare", algorithm=method, model=args.model,
-                    preset="demo")
+            cfg = compose([*run_overrides(args, method)], task="shakespeare", algorithm=method, model=args.model,
+                          preset="demo")
+            if "pool" in cfg.algorithm:
+                args.pooled.append(method)
     except ConfigError as err:
         p.error(str(err))
     return args
 
 
 def run_overrides(args, method: str) -> list[str]:
-    pool = [f"algorithm.pool={args.pool.resolve()}"] if method == "smartfed" and args.pool else []
+    pool = [f"algorithm.pool={args.pool.resolve()}"] if method in getattr(args, "pooled", ()) and args.pool else []
     return [*METHODS[method], *pool, f"num_clients={args.clients}", *shlex.split(args.overrides)]
 
 
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
     folder = (args.outputs / f"demo-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
     folder.mkdir(parents=True)
     start = time.time()
-    if "smartfed" in args.methods:
+    if args.pooled:
         ensure_pool(args, folder)
     summaries = []
     for i, method in enumerate(args.methods, 1):

@@ -12,7 +12,8 @@ from inprocess import context, evaluate_round, fake_pool, train_round
 from omegaconf import OmegaConf
 
 from fedapps import registry
-from fedapps.channel import CHANNELS, ChannelError, latent_training, round_factors, server_channel, settings_of
+from fedapps.channel import CHANNELS, ChannelError, round_factors, server_channel, settings_of
+from fedapps.latent import latent_training
 from fedapps.config import ConfigError, choices, compose, to_yaml
 from strategies import codec
 from strategies.base import PayloadFedAvg
