@@ -10,7 +10,7 @@ from fedapps.config import compose
 from fedapps.method import Method
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("clients", "fedapps", "strategies")
+PACKAGES = ("bench", "clients", "fedapps", "postcard", "strategies")
 
 
 def test_every_config_group_is_a_registered_method_and_back():
@@ -35,18 +35,26 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(path: Path, package: str) -> set[str]:
-    """Project modules ``path`` imports when it is imported (not inside functions)."""
+def _type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): a block for annotations, never run."""
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every project module ``path`` imports, at module level or inside a function (a function-level
+    import closes a circle as surely when it runs). Not read: ``if TYPE_CHECKING:`` blocks, which hold
+    imports for annotations only and never run."""
     found = set()
-    tree = ast.parse(path.read_text())
-    statements = list(tree.body)
+    statements = list(ast.parse(path.read_text()).body)
     while statements:
-        node = statements.pop(0)
-        if isinstance(node, (ast.If, ast.Try)):  # module-level guards still run at import
-            statements.extend(node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []))
-            for handler in getattr(node, "handlers", []):
-                statements.extend(handler.body)
-        elif isinstance(node, ast.Import):
+        node = statements.pop()
+        if _type_checking(node):
+            statements.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
@@ -54,20 +62,25 @@ def _top_level_imports(path: Path, package: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level:
             base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
             found.add(f"{base}.{node.module}" if node.module else base)
+        else:
+            statements.extend(ast.iter_child_nodes(node))
     return found
 
 
 def test_the_project_has_no_import_circle_and_strategies_stand_alone():
+    """Every package (``bench/`` has no ``__init__.py``: its scripts are modules ``bench.<name>``), every
+    import wherever it is written: no circle; strategies import nothing of the project's but
+    strategies, clients nothing of fedapps (nor of postcard or bench)."""
     modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        graph[name] = {m for m in _top_level_imports(path, package) if m in modules and m != name}
+        graph[name] = {m for m in _imports(path, package) if m in modules and m != name}
     for name, deps in graph.items():
         if name.startswith("strategies"):
             assert all(d.startswith("strategies") for d in deps), f"{name} imports {deps}"
         if name.startswith("clients"):
-            assert not any(d.startswith("fedapps") for d in deps), f"{name} imports {deps}"
+            assert not any(d.startswith(("fedapps", "postcard", "bench")) for d in deps), f"{name} imports {deps}"
     # depth-first search for a cycle; a package's __init__ importing its own submodules is no cycle
     state: dict[str, int] = {}
 
@@ -86,6 +99,21 @@ def test_the_project_has_no_import_circle_and_strategies_stand_alone():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_composing_and_validating_a_config_imports_no_torch():
+    """Each registered method's config composes and validates without torch (a fresh interpreter).
+    FLITE's latent budget on a causal LM is measured on the model's layers (built on the meta
+    device: torch), so FLITE is composed here with its latents per layer set."""
+    import subprocess
+    import sys
+
+    extra = {"flite": ["algorithm.flite.latents=4"]}
+    calls = "".join(f"compose({extra.get(name, [])!r}, algorithm={name!r})\n" for name in sorted(registry.METHODS))
+    code = f"import sys\nfrom fedapps.config import compose\n{calls}print('torch' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------------- the worked example
@@ -111,7 +139,6 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
 
     import numpy as np
     from flwr.app import ConfigRecord, Context, Message, RecordDict
-    from omegaconf import OmegaConf
 
     from fedapps import client_app
     from fedapps.config import to_yaml
@@ -129,12 +156,12 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     monkeypatch.setitem(registry.METHODS, "signlora", method)
     assert registry.get("signlora") is method
 
-    cfg = compose("train.local_steps=2", algorithm="fedavg-lora", preset="test")
-    extra = OmegaConf.create(blocks["conf/algorithm/signlora.yaml"])
-    assert list(extra.defaults) == ["fedavg-lora", "_self_"]
-    OmegaConf.set_struct(cfg, False)
-    cfg.algorithm = OmegaConf.merge(cfg.algorithm, {"name": extra.name, "server_lr": 0.5})
-    OmegaConf.set_struct(cfg, True)
+    conf = tmp_path / "conf"  # the doc's YAML as a config folder of its own, on Hydra's search path
+    (conf / "algorithm").mkdir(parents=True)
+    (conf / "algorithm" / "signlora.yaml").write_text(blocks["conf/algorithm/signlora.yaml"])
+    cfg = compose(["train.local_steps=2", "algorithm.server_lr=0.5"], conf_path=[conf], algorithm="signlora",
+                  preset="test")
+    assert cfg.algorithm.name == "signlora" and cfg.algorithm.trainable == "lora"  # fedavg-lora's, by its defaults
 
     plan = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
     strategy = plan.strategy
@@ -155,14 +182,16 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
         assert magnitudes.size <= 1
         moved += magnitudes.size
     assert moved > 0  # training changed something
-    new = strategy.aggregate_payloads([update], [examples])
+    new = strategy.step(1, strategy.combine([update], [examples])).values
     for key, value in new.items():
         np.testing.assert_allclose(value, before[key] + 0.5 * update[key], rtol=0, atol=1e-7)
     # its final state is saved and restored like any LoRA method's
     from clients.adapters import all_lora_state
 
-    plan.save_final(new, tmp_path)
-    model, _ = method.restore(cfg, tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan.save_final(new, run_dir)
+    model, _ = method.restore(cfg, run_dir)
     restored = {k: v.numpy() for k, v in all_lora_state(model).items()}
     assert set(restored) == set(new)
     for key, value in new.items():
