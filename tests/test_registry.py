@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fedapps import registry
-from fedapps.config import compose
+from fedapps.config import ConfigError, compose
 from fedapps.method import Method
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,6 +162,8 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     cfg = compose(["train.local_steps=2", "algorithm.server_lr=0.5"], conf_path=[conf], algorithm="signlora",
                   preset="test")
     assert cfg.algorithm.name == "signlora" and cfg.algorithm.trainable == "lora"  # fedavg-lora's, by its defaults
+    with pytest.raises(ConfigError, match="privacy cannot carry algorithm 'signlora': its strategy combines"):
+        compose(["privacy.mode=central"], conf_path=[conf], algorithm="signlora", preset="test")  # own_combine
 
     plan = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
     strategy = plan.strategy
