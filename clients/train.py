@@ -15,12 +15,15 @@ import contextlib
 import math
 import time
 from collections.abc import Mapping
+from contextvars import ContextVar
 from logging import INFO
 
 import numpy as np
 import torch
 from flwr.common.logger import log
 
+# who is training, for the progress lines (" (client 2, node 1234...)"; the ClientApp sets it per message)
+PROGRESS_LABEL: ContextVar[str] = ContextVar("postcard_progress_label", default="")
 AUTOCAST_ATTR = "_postcard_autocast_dtype"  # set by place_model (CUDA with bf16, or frozen_bf16)
 
 
@@ -262,8 +265,9 @@ def local_train(
                 hooks.after_step()
             now = time.perf_counter()
             if every and now - last_report >= every and len(losses) < steps:
-                log(INFO, "local training: step %d/%d, loss %.4f, %.2f s/step", len(losses), steps, losses[-1],
-                    (now - start) / len(losses))
+                per_step = (now - start) / len(losses)
+                log(INFO, "local training%s: step %d/%d, loss %.4f, %.2f s/step, ~%.0f s left", PROGRESS_LABEL.get(),
+                    len(losses), steps, losses[-1], per_step, per_step * (steps - len(losses)))
                 last_report = now
     optimizer.zero_grad(set_to_none=True)
     metrics = {

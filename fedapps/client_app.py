@@ -19,6 +19,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.assets import force_offline
+from clients.train import PROGRESS_LABEL
 from fedapps import privacy, registry, secure
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
@@ -30,7 +31,10 @@ app = ClientApp()
 def _call(msg: Message, context: Context):
     cfg = secure.method_view(client_config(msg, context))
     method = registry.get(cfg.algorithm.name)
-    return method, ClientCall(msg, context, cfg, session(cfg, context, method.prepare))
+    call = ClientCall(msg, context, cfg, session(cfg, context, method.prepare))
+    # progress lines name the client (in a simulation Ray prefixes them with an actor's pid only)
+    PROGRESS_LABEL.set(f" (client {call.session.partition_id}, node {context.node_id})")
+    return method, call
 
 
 @app.train()

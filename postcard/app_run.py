@@ -18,6 +18,8 @@ that folder's own ports (``postcard.superlink``), so two checkouts never share o
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -131,6 +133,25 @@ def resume_refusal(cfg, relative: bool = False) -> str | None:
     return None
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour and cursor codes (Flower colours its log levels)
+
+
+def stream_logs(command: list[str], *, env, cwd=None, out=None) -> int:
+    """Run ``command`` (``flwr log --stream``), its output relayed to ``out`` (stdout) line by line:
+    as it is on a terminal, without ANSI colour codes when ``out`` is a pipe or a file (a log that
+    is read later) or ``NO_COLOR`` is set."""
+    out = sys.stdout if out is None else out
+    tty = hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR")
+    if tty:
+        return subprocess.run(command, env=env, cwd=cwd).returncode
+    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace", bufsize=1) as proc:
+        for line in proc.stdout:
+            out.write(ANSI.sub("", line))
+            out.flush()
+    return proc.returncode
+
+
 def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, label: str = "postcard.app_run",
             check: bool = True) -> int:
     """``flwr run *args`` (submitted, its logs streamed), through this FLWR_HOME's own local SuperLink
@@ -161,7 +182,7 @@ def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, lab
         print(f"{label}: the run was not submitted (flwr run exit {submitted.returncode})", file=sys.stderr)
         return 2
     print(f"{label}: run {run_id} submitted; streaming its logs", flush=True)
-    subprocess.run([flwr, "log", run_id, "--stream"], env=env, cwd=cwd)
+    stream_logs([flwr, "log", run_id, "--stream"], env=env, cwd=cwd)
     record = run_status(flwr, run_id, env)
     status = str(record.get("status", "unknown"))
     if status == "finished:completed":
@@ -192,7 +213,7 @@ def run_composed(cfg, overrides: list[str]) -> tuple[int, dict]:
         elif key.lstrip("+~") not in ("output_dir", "run_name"):
             rest.append(override)
     root, name = output_root(cfg), run_name(cfg)
-    rest.append(f"run_name={name}")
+    rest.append(f"run_name={name}" if re.fullmatch(r"[\w.\-]+", name) else f"run_name='{name}'")  # a sweep's
     num_clients = client_count(cfg)
     resources = client_resources(cfg, num_clients)
     federation = (f"num-supernodes={num_clients} client-resources-num-cpus={resources['num_cpus']:g} "

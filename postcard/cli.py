@@ -11,6 +11,8 @@
     postcard evaluate RUN_DIR                                 # its held-out evaluation,
     postcard export RUN_DIR merged/                           # a standalone checkpoint (postcard.final)
     postcard compare REF_RUN RUN ...                          # paired, item by item: 95% intervals, McNemar
+    postcard supernode-worker --runtime-api-address H:P --insecure  # a warm node worker beside flower-supernode
+                                                              #   --isolation process (postcard.worker)
 
 Each run is ``flwr run`` of this app (a Flower simulation with Ray, through the checkout's
 own local SuperLink: ``postcard.superlink``; stop it with ``make stop-superlink``) with
@@ -24,6 +26,7 @@ a curve per run). A bad key or choice stops it at once: one line, exit status 2.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -60,9 +63,14 @@ def run(cfg: DictConfig) -> dict | None:
     except ConfigError as err:
         print(f"postcard: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    if cfg.output_dir is None and HydraConfig.get().mode.name == "MULTIRUN":
+    hydra_cfg = HydraConfig.get()
+    _drop_empty(Path(hydra_cfg.runtime.output_dir))  # Hydra's own job folder: the run writes its own
+    if hydra_cfg.mode.name == "MULTIRUN":  # each run's folder in the sweep's, named by what the sweep varies
         OmegaConf.set_struct(cfg, False)
-        cfg.output_dir = str(Path(HydraConfig.get().sweep.dir).resolve())
+        if cfg.output_dir is None:
+            cfg.output_dir = str(Path(hydra_cfg.sweep.dir).resolve())
+        if not cfg.get("run_name"):
+            cfg.run_name = sweep_run_name(list(hydra_cfg.overrides.task), sys.argv[1:], hydra_cfg.job.num)
         OmegaConf.set_struct(cfg, True)
     # a resume folder without a checkpoint: refused now, not after the run has started (run_composed
     # sends the server this process's output root, so a relative folder means the same there)
@@ -75,6 +83,29 @@ def run(cfg: DictConfig) -> dict | None:
     if status != 0:  # the run's own error has been printed by now
         raise SystemExit(status)
     return summary
+
+
+SWEEP_FUNCTIONS = re.compile(r"^(range|choice|glob|interval)\(")  # Hydra's sweep syntax besides a,b,c
+
+
+def sweep_run_name(job_overrides: list[str], argv: list[str], job_num: int) -> str:
+    """A sweep job's run folder name: its values of the swept keys (``algorithm=ffa-lora,train.lr=0.001``),
+    made safe for a file name; ``job-<n>`` when nothing is swept."""
+    swept = set()
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and ("," in value or SWEEP_FUNCTIONS.match(value)):
+            swept.add(key.lstrip("+~"))
+    parts = [o for o in job_overrides if o.partition("=")[0].lstrip("+~") in swept]
+    name = re.sub(r"[^\w.,=+\-]+", "_", ",".join(parts)).lstrip(".")[:120]  # no path, quote or bracket
+    return name or f"job-{job_num}"
+
+
+def _drop_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only if empty
+    except OSError:
+        pass
 
 
 def main() -> None:
@@ -94,6 +125,10 @@ def main() -> None:
         from postcard.compare import main as compare_main
 
         raise SystemExit(compare_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "supernode-worker":  # a SuperNode's warm ClientApp process
+        from postcard.worker import main as worker_main
+
+        raise SystemExit(worker_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] in ("generate", "evaluate", "export"):  # a finished run's final model
         from postcard.final import main as final_main
 

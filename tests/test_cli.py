@@ -43,7 +43,12 @@ def test_sweep_writes_a_comparison_table(tmp_path, cli):
     assert float(rows[1]["uplink_vs_fedavg_lora"]) < 1.0
     assert (tables[0].parent / "comparison.md").exists()
     assert (tables[0].parent / "comparison.png").exists()  # metric vs cumulative uplink bytes
-    assert len(list(tables[0].parent.glob("*/summary.json"))) == 2  # each run's own folder, in the sweep's
+    # each run's own folder in the sweep's, named by the swept value; no empty job folders of Hydra's beside them
+    assert sorted(p.parent.name for p in tables[0].parent.glob("*/summary.json")) == \
+        ["algorithm=fedavg-lora", "algorithm=ffa-lora"]
+    assert sorted(p.name for p in tables[0].parent.iterdir() if p.is_dir()) == \
+        ["algorithm=fedavg-lora", "algorithm=ffa-lora"]
+    assert "\x1b[" not in log  # piped: no colour codes
 
 
 def test_cli_refuses_a_bad_choice_with_the_valid_ones(tmp_path):
