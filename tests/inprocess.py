@@ -1,10 +1,17 @@
 """A method's ClientApp and strategy driven in this process, round by round (no Flower runtime):
-the real client code (``fedapps.client_app``) answers the strategy's real messages."""
+the real client code (``fedapps.client_app``) answers the strategy's real messages.
+
+:func:`run` is a whole run so: ``fedapps.runner.run_server`` (the ServerApp's body: rounds, checkpoints,
+resume, the run folder) on a grid whose nodes are Postcard's ClientApp in this process. It gives the
+same metrics as ``fedapps.simulation.simulate`` (Ray) and ``flwr run``, to the bit (asserted in
+test_flwr_run), without Ray's start (#40: the per-method "learns" runs use it; tens of seconds each).
+"""
 
 from __future__ import annotations
 
 import copy
 import json
+import uuid
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
@@ -17,6 +24,52 @@ def context(node: int, clients: int = 2) -> Context:
     """Node ``node`` (1-based) holding partition ``node - 1`` of ``clients``."""
     return Context(run_id=1, node_id=node, node_config={"partition-id": node - 1, "num-partitions": clients},
                    state=RecordDict(), run_config={})
+
+
+class InProcessGrid:
+    """Flower's Grid as ``run_server`` uses it (node ids, push, pull): every message is answered at once
+    by ``clients`` (Postcard's ClientApp) with node ``n``'s own Context (partition ``n - 1``). One process
+    serves every node in turn, as one Ray actor serves several simulated nodes (fedapps.session)."""
+
+    def __init__(self, num_clients: int, clients=None) -> None:
+        self.clients = clients or client_app.app
+        self.contexts = {node: context(node, num_clients) for node in range(1, num_clients + 1)}
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            mid = uuid.uuid4().hex
+            msg.metadata.__dict__["_message_id"] = mid  # as the SuperLink assigns it
+            self.replies[mid] = self.clients(msg, self.contexts[msg.metadata.dst_node_id])
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(mid) for mid in list(ids) if mid in self.replies]
+
+
+def run(cfg, clients=None) -> dict:
+    """``cfg`` run to its end in this process (``fedapps.simulation.simulate``'s run, without Ray): its summary.
+    Like a fresh Ray actor, the run starts with no prepared model cached (fedapps.session); the torch thread
+    count the clients set (train.threads) is given back afterwards."""
+    import torch
+
+    from fedapps import session
+    from fedapps.runner import client_count, run_server
+
+    threads = torch.get_num_threads()
+    session._MODELS.clear()
+    session._TASKS.clear()
+    try:
+        return run_server(InProcessGrid(client_count(cfg), clients), cfg)
+    finally:
+        session._MODELS.clear()
+        session._TASKS.clear()
+        torch.set_num_threads(threads)
 
 
 def message(cfg, arrays, phase: str, server_round: int, node: int, config: dict | None = None) -> Message:

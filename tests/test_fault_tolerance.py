@@ -234,10 +234,11 @@ def test_bf16_autocast_is_used_for_a_model_marked_on_cuda(monkeypatch):
     assert seen == {"device_type": "cuda", "dtype": torch.bfloat16}
 
 
-@pytest.mark.slow
-def test_a_simulated_run_resumes_after_its_last_checkpoint(outputs):
-    """Run 1 round, then the same run_name with rounds=2 and resume=auto: only round 2 runs."""
-    from fedapps.simulation import simulate
+def test_a_run_resumes_after_its_last_checkpoint(outputs):
+    """Run 1 round, then the same run_name with rounds=2 and resume=auto: only round 2 runs.
+    (#40: run_server in this process, inprocess.run, not two Ray simulations: a few seconds, no longer
+    marked slow. Resume through Flower, after a killed SuperLink: test_deploy's faults test.)"""
+    from inprocess import run as simulate
 
     first = simulate(compose(["rounds=1", "train.local_steps=2", "run_name=exp", "resume=auto"], preset="test"))
     assert ckpt.load(first["run_dir"]).round == 1 and "resumed_after_round" not in first

@@ -191,7 +191,7 @@ def test_fedssi_client_keeps_its_importance_on_the_node():
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedala", "fedssi"])
 def test_baseline_learns_over_three_rounds(algorithm, outputs):
-    from fedapps.simulation import simulate
+    from inprocess import run as simulate  # run_server in this process (#40: no Ray start)
 
     cfg = compose(["algorithm.ala.max_start_epochs=3"] if algorithm == "fedala" else [], preset="test",
                   algorithm=algorithm)

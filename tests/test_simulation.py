@@ -1,4 +1,8 @@
-"""Flower simulations (Ray backend) of every baseline on tiny random-init models: they learn.
+"""Whole runs of every baseline on tiny random-init models: they learn.
+
+(#40: the runs go through ``inprocess.run``: the ServerApp's run_server with Postcard's ClientApp answering
+in this process, the same metrics as the Ray simulation and ``flwr run`` to the bit (test_flwr_run), without
+Ray's start per run. Flower's runtime: test_flwr_run, test_demo, test_cli, test_hostile_run, test_deploy.)
 
 (#40: the LoRA payload sizes, exact r·(d_in + d_out) fp32 bytes per target and B only for FFA-LoRA,
 are checked on the fedavg-lora and ffa-lora runs here; the separate ffa-lora run that checked them,
@@ -10,7 +14,7 @@ import pytest
 from fedapps.config import compose
 from fedapps.final import load_run
 from fedapps.outputs import mean_train_loss, read_metrics
-from fedapps.simulation import simulate
+from inprocess import run as simulate
 
 pytestmark = pytest.mark.slow
 
