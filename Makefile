@@ -20,6 +20,9 @@ DEMO_CLIENTS ?= 4
 DEMO_ARGS ?=
 DEPLOY_NODES ?= 3
 DEPLOY_CONFIG ?= preset='test' overrides='num_clients=$(DEPLOY_NODES) rounds=2 train.local_steps=4'
+# WARM=1: each SuperNode's ClientApp messages run in a warm node worker (postcard.worker, docs/deploy.md §9);
+# WARM=0: stock Flower, a new flwr-clientapp process per message
+WARM ?= 1
 
 .PHONY: gpu-wheels gpu-check gpu-check-cpu
 .PHONY: help venv assets assets-cifar10 assets-fmnist demo test test-fast test-deploy-all bench clean stop-superlink deploy-local
@@ -29,7 +32,7 @@ help:
 	@echo "make test    - set up, then run the test suite"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run every benchmark script (bench/, ~10 h on 2 cores), then write docs/benchmarks.md"
-	@echo "make deploy-local - a gated SuperLink (TLS, node auth; Fleet alone on 127.0.0.2, Control on 127.0.0.1) + $(DEPLOY_NODES) SuperNodes, one 'flwr run', all stopped"
+	@echo "make deploy-local - a gated SuperLink (TLS, node auth; Fleet alone on 127.0.0.2, Control on 127.0.0.1) + $(DEPLOY_NODES) SuperNodes, one 'flwr run', all stopped (WARM=0: stock Flower, a process per message)"
 	@echo "make gpu-wheels - what a GPU machine lacks for bench/gpu_check.py, into .whl/ (<= 56 MiB; docs/gpu.md)"
 	@echo "make gpu-check  - ON THE GPU MACHINE: install .whl/ into /tmp/postcard-site, run bench/gpu_check.py (OUT=folder)"
 	@echo "make gpu-check-cpu - the same check on this CPU with the tiny model (what CI runs)"
@@ -78,7 +81,8 @@ demo: assets
 # Deployment rehearsal on loopback (docs/deploy.md): TLS certificates and SuperNode keys made on
 # the spot, keys registered, `flwr run . postcard-local` through the cluster, every process stopped by pid
 deploy-local: assets
-	$(PY) -m postcard.deploy local --nodes $(DEPLOY_NODES) --run-config "$(DEPLOY_CONFIG)" --outputs "$(CURDIR)/outputs"
+	$(PY) -m postcard.deploy local --nodes $(DEPLOY_NODES) --run-config "$(DEPLOY_CONFIG)" --outputs "$(CURDIR)/outputs" \
+		$(if $(filter 0,$(WARM)),--cold,)
 
 # `flwr run` leaves a local SuperLink running; stop the one of this FLWR_HOME by its pid
 stop-superlink:
@@ -92,7 +96,7 @@ test-fast: venv
 
 # the deployment tests with every algorithm through the TLS cluster (make test sends FedNL, and SmartFed in the fault scenario)
 test-deploy-all: assets
-	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py
+	POSTCARD_DEPLOY_ALL=1 $(PY) -m pytest -q tests/test_deploy.py tests/test_worker.py
 
 # SmartFed's measured setting (conf/preset/smartfed-tuned.yaml) as overrides of the onboarding benchmark
 # issue #15's FedNL protocol (docs/fednl.md, "Benchmark"): MMLU paired on 2,257 held-out questions; NIAH with

@@ -120,6 +120,14 @@ class Session:
 
 _MODELS: dict[str, tuple] = {}
 _TASKS: dict[tuple, object] = {}
+BUILDS = 0  # models this process has prepared (the warm node worker, postcard.worker, reports it)
+SCOPE: tuple = ()  # postcard.worker sets (run id, FAB hash): part of the cache key, so no run reuses another's
+
+
+def evict() -> None:
+    """Forget this process's prepared model and tasks (postcard.worker: a new run, a failed message)."""
+    _MODELS.clear()
+    _TASKS.clear()
 
 
 def session(cfg, context: Context, prepare: Callable[[object], tuple]) -> Session:
@@ -138,10 +146,11 @@ def session(cfg, context: Context, prepare: Callable[[object], tuple]) -> Sessio
 
     cfg = node_view(cfg, context)
     pid, n = partition_of(context, cfg)
-    run_key = hashlib.sha256(str(cfg).encode()).hexdigest()
+    global BUILDS
+    run_key = hashlib.sha256(repr((str(cfg), SCOPE)).encode()).hexdigest()
     if run_key not in _MODELS:
-        _MODELS.clear()  # one run per process at a time: free the previous model
-        _TASKS.clear()
+        evict()  # one run per process at a time: free the previous model
+        BUILDS += 1
         device = select_device(cfg.train.get("device", "auto"))
         model, tokenizer, extra = prepare(cfg)
         model = place_model(model, device, bf16=bool(cfg.train.get("bf16", True)),  # moved once per process

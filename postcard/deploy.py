@@ -20,7 +20,7 @@ Command line (``make deploy-local`` calls the last one)::
     python -m postcard.deploy secrets DIR --nodes 3 [--host ...]   # ca/ superlink/ public/ supernode-<i>/
     python -m postcard.deploy register KEY.pub... --superlink HOST:PORT --root-certificates ca.crt
     python -m postcard.deploy flwr --superlink HOST:PORT --root-certificates ca.crt -- ls postcard
-    python -m postcard.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep]
+    python -m postcard.deploy local [--nodes 3] [--run-config "..."] [--outputs DIR] [--dir DIR] [--keep] [--cold]
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ class Node:
     node_config: str
     ca_cert: Path | None = None
     proc: subprocess.Popen | None = None
+    worker: subprocess.Popen | None = None  # the warm node worker (postcard.worker) beside it, if warm
+    events: Path | None = None  # the worker's one JSON line per message
 
 
 @dataclass
@@ -171,6 +173,12 @@ class LoopbackCluster:
     ``persistent``: the SuperLink keeps its state in ``superlink/state.db`` (runs and
     registered keys survive a restart of it, as ``--database`` does in a real deployment);
     False keeps it in memory, Flower's default, which no lock timeout can stop.
+
+    ``warm``: each SuperNode runs with ``--isolation process`` beside a warm node worker
+    (``postcard.worker``: one long-lived process runs the node's ClientApp messages and keeps
+    the prepared model for the run; its log ``logs/worker-<i>.log``, one JSON line per message
+    in ``logs/worker-<i>.jsonl``) instead of Flower's ``flower-superexec``, which starts a new
+    ``flwr-clientapp`` process per message (False: stock Flower).
     """
 
     folder: Path
@@ -178,6 +186,7 @@ class LoopbackCluster:
     node_config: str = ""  # extra node-config entries for every node, e.g. "device='cpu'"
     supernode_nice: int = 10
     persistent: bool = True
+    warm: bool = False
     port: int = 0  # every API, on 127.0.0.1
     fleet_port: int = 0  # the Fleet API alone, on fleet_host
     fleet_host: str = FLEET_LOOPBACK
@@ -260,34 +269,62 @@ class LoopbackCluster:
                 self.registered[node.index] = ids[str(node.public_key)]
         return dict(self.registered)
 
+    def _nice(self) -> list[str]:
+        nice = shutil.which("nice") if self.supernode_nice else None  # coreutils; it execs, so the pid is the process's
+        return [nice, "-n", str(self.supernode_nice)] if nice else []
+
     def spawn_supernode(self, key: Path, port: int, node_config: str, home: Path, log: Path,
-                        ca_cert: Path | None = None) -> subprocess.Popen:
-        """Start one ``flower-supernode`` on the Fleet address (TLS, authenticated with ``key``)."""
+                        ca_cert: Path | None = None, isolation: str = "subprocess") -> subprocess.Popen:
+        """Start one ``flower-supernode`` on the Fleet address (TLS, authenticated with ``key``);
+        ``isolation='process'``: without its ``flower-superexec`` (see :meth:`spawn_worker`)."""
         home.mkdir(parents=True, exist_ok=True)
         handle = open(log, "a")
-        nice = shutil.which("nice") if self.supernode_nice else None  # coreutils; it execs, so the pid is the node's
         cmd = [
-            *([nice, "-n", str(self.supernode_nice)] if nice else []),
+            *self._nice(),
             executable("flower-supernode"),
             "--superlink", self.fleet_address,
             "--root-certificates", str(ca_cert or self.ca_cert),
             "--auth-supernode-private-key", str(key),
             "--node-config", node_config,
             "--host", LOOPBACK, "--port", str(port),
+            *(["--isolation", isolation] if isolation != "subprocess" else []),
         ]
         proc = subprocess.Popen(cmd, cwd=home, env=flower_env(home), stdout=handle, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         handle.close()
         return proc
 
+    def spawn_worker(self, node: Node) -> subprocess.Popen:
+        """Start the warm node worker (``postcard.worker``) beside SuperNode ``node``: it polls the
+        node's Runtime API (plain HTTP on 127.0.0.1) and stops when the SuperNode does."""
+        node.events = self.folder / "logs" / f"worker-{node.index}.jsonl"
+        handle = open(self.folder / "logs" / f"worker-{node.index}.log", "a")
+        cmd = [*self._nice(), sys.executable, "-m", "postcard.worker",
+               "--runtime-api-address", f"{LOOPBACK}:{node.port}", "--insecure",
+               "--parent-pid", str(node.proc.pid), "--events", str(node.events)]
+        proc = subprocess.Popen(cmd, cwd=node.home, env=flower_env(node.home), stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        handle.close()
+        return proc
+
     def start_supernode(self, index: int, wait: float = 60.0) -> Node:
-        """Start SuperNode ``index`` with its registered key and its partition."""
+        """Start SuperNode ``index`` with its registered key and its partition (and its warm worker)."""
         node = self.members[index]
         if node.proc is not None and node.proc.poll() is None:
             raise DeployError(f"SuperNode {index} is already running")
-        node.proc = self.spawn_supernode(node.key, node.port, node.node_config, node.home, node.log, node.ca_cert)
+        node.proc = self.spawn_supernode(node.key, node.port, node.node_config, node.home, node.log, node.ca_cert,
+                                         isolation="process" if self.warm else "subprocess")
         self._wait_port(node.proc, node.port, wait, node.log)
+        if self.warm:
+            node.worker = self.spawn_worker(node)
         return node
+
+    def worker_events(self, index: int) -> list[dict]:
+        """The warm worker's JSON lines of SuperNode ``index`` (one per message it served)."""
+        events = self.members[index].events
+        if events is None or not events.is_file():
+            return []
+        return [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
 
     def clientapp_pids(self, index: int) -> list[int]:
         """Process ids of the ClientApps SuperNode ``index`` is running right now."""
@@ -334,8 +371,9 @@ class LoopbackCluster:
 
     def kill_supernode(self, index: int) -> list[int]:
         node = self.members[index]
-        pids = kill_tree(node.proc.pid) if node.proc is not None else []
-        node.proc = None
+        pids = kill_tree(node.worker.pid) if node.worker is not None else []
+        pids += kill_tree(node.proc.pid) if node.proc is not None else []
+        node.proc = node.worker = None
         return pids
 
     def kill_superlink(self) -> list[int]:
@@ -439,23 +477,26 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 # ---------------------------------------------------------------------------- make deploy-local
 def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = None, keep: bool = False,
-              timeout: float = 7200.0) -> int:
+              timeout: float = 7200.0, warm: bool = True) -> int:
     """Start a loopback cluster, ``flwr run`` the app through it, stop everything by pid.
 
-    Cluster files (certificates, keys, databases, logs) go to ``folder`` (default: a new
-    temporary folder, removed after a successful run unless ``keep``); run folders go to
-    ``outputs``.
+    ``warm``: each SuperNode's messages run in a warm node worker (``postcard.worker``);
+    False: stock Flower, a new ``flwr-clientapp`` process per message. Cluster files
+    (certificates, keys, databases, logs) go to ``folder`` (default: a new temporary folder,
+    removed after a successful run unless ``keep``); run folders go to ``outputs``.
     """
     base = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="postcard-deploy-"))
     outputs = Path(outputs).resolve()
     config = f"{run_config} output-dir='{outputs}'".strip()
     print(f"[deploy] cluster folder: {base}", flush=True)
     t0 = time.time()
-    with LoopbackCluster(base, nodes=nodes, persistent=False) as cluster:  # one run, no SuperLink restart
+    with LoopbackCluster(base, nodes=nodes, persistent=False, warm=warm) as cluster:  # one run, no SuperLink restart
         cluster.start()
         print(f"[deploy] SuperLink: the Fleet API alone on {cluster.fleet_address}, every API on {cluster.address} "
               f"(TLS, SuperNode authentication) with {nodes} registered "
-              f"SuperNodes online after {time.time() - t0:.0f} s", flush=True)
+              f"SuperNodes online after {time.time() - t0:.0f} s; ClientApps: "
+              + ("a warm node worker per SuperNode (postcard.worker)" if warm else
+                 "a new flwr-clientapp process per message (stock Flower)"), flush=True)
         print(f'[deploy] flwr run . {CONNECTION} --stream --run-config "{config}"', flush=True)
         proc = cluster.run(config, timeout=timeout, log_file=base / "logs" / "flwr-run.log")
         print((proc.stdout + proc.stderr)[-8000:], flush=True)
@@ -506,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--dir", default=None,
                        help="cluster folder: certificates, keys, databases, logs (default: temporary)")
     local.add_argument("--keep", action="store_true", help="keep the temporary cluster folder")
+    local.add_argument("--cold", action="store_true",
+                       help="stock Flower: a new flwr-clientapp process per message (default: a warm node worker "
+                            "per SuperNode, postcard.worker)")
     return parser
 
 
@@ -539,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(home, ignore_errors=True)
     else:
         run_config = args.run_config if args.run_config is not None else LOCAL_RUN_CONFIG.format(nodes=args.nodes)
-        return run_local(args.nodes, run_config, Path(args.outputs), Path(args.dir) if args.dir else None, args.keep)
+        return run_local(args.nodes, run_config, Path(args.outputs), Path(args.dir) if args.dir else None, args.keep,
+                         warm=not args.cold)
     return 0
 
 
