@@ -1,4 +1,4 @@
-"""Flower's own share of a round: wall time minus the slowest client's work, simulation vs deployment.
+"""Flower's own share of a round: wall time minus the slowest client's work, simulation vs deployment (cold, warm).
 
     .venv/bin/python bench/overhead.py            # tiny model and SmolLM2, ~15 min on 2 cores
     .venv/bin/python bench/overhead.py --quick    # the tiny model only: a few minutes
@@ -11,9 +11,14 @@ round at once (simulation: ``simulation.client_cpus`` = cores / clients, so Ray 
 together; deployment: one SuperNode each):
 
 * **simulation** — ``fedapps.simulation.simulate`` (Flower's simulation runtime, Ray);
-* **deployment** — ``postcard.deploy.run_local``: a SuperLink and a SuperNode per client on
-  127.0.0.1 (TLS, node authentication), where Flower 1.42 starts a fresh ``flwr-clientapp``
-  process for every message.
+* **deployment** — ``postcard.deploy.run_local(warm=False)``: a SuperLink and a SuperNode per
+  client on 127.0.0.1 (TLS, node authentication), where Flower 1.42 starts a fresh
+  ``flwr-clientapp`` process for every message (the cold path, stock Flower);
+* **warm** — the same cluster with a warm node worker beside each SuperNode
+  (``postcard.worker``, docs/deploy.md §9): one process per node keeps the model for the run.
+
+When both deployments ran, their model outputs (every loss and metric of ``metrics.jsonl``
+but timings and message sizes) are compared: the report says whether they are bit-identical.
 
 From each round's record (``metrics.jsonl``): its wall time (the strategy's first message to
 its evaluation's aggregate), and per client ``client-seconds`` (the ClientApp's whole work on
@@ -81,22 +86,42 @@ def simulation(model: str, clients: int, rounds: int, out: Path) -> Path:
     return Path(simulate(cfg)["run_dir"])
 
 
-def deployment(model: str, clients: int, rounds: int, out: Path) -> Path:
+def deployment(model: str, clients: int, rounds: int, out: Path, warm: bool = False) -> Path:
     from postcard.deploy import run_local
 
+    name = f"{'warm' if warm else 'deploy'}-{model}"
     overrides = " ".join([f"model={model}", f"num_clients={clients}", f"rounds={rounds}", "partition=iid",
-                          f"run_name=deploy-{model}"])
-    before = set(out.glob(f"deploy-{model}*"))
-    cluster = out / f"cluster-{model}"  # kept: the SuperLink's and SuperNodes' logs (`flwr run` exits 0 on failure)
+                          f"run_name={name}"])
+    before = set(out.glob(f"{name}*"))
+    cluster = out / f"cluster-{name}"  # kept: the SuperLink's and SuperNodes' logs (`flwr run` exits 0 on failure)
     shutil.rmtree(cluster, ignore_errors=True)
     code = run_local(clients, f"algorithm='fedavg-lora' task='shakespeare' preset='{MODELS[model]}' "
-                              f"overrides='{overrides}'", out, folder=cluster)
+                              f"overrides='{overrides}'", out, folder=cluster, warm=warm)
     if code:
-        raise SystemExit(f"overhead: the deployment run of {model} failed (exit {code})")
-    new = sorted(set(out.glob(f"deploy-{model}*")) - before)  # a run folder's name gets -2, -3, ... when taken
+        raise SystemExit(f"overhead: the {'warm ' if warm else ''}deployment run of {model} failed (exit {code})")
+    new = sorted(set(out.glob(f"{name}*")) - before)  # a run folder's name gets -2, -3, ... when taken
     if len(new) != 1:
-        raise SystemExit(f"overhead: expected one new run folder deploy-{model}* in {out}, found {new}")
+        raise SystemExit(f"overhead: expected one new run folder {name}* in {out}, found {new}")
     return new[0]
+
+
+def warm(model: str, clients: int, rounds: int, out: Path) -> Path:
+    return deployment(model, clients, rounds, out, warm=True)
+
+
+MODES = {"simulation": simulation, "deployment": deployment, "warm": warm}
+
+
+def model_outputs(run_dir: Path) -> list:
+    """Every round's client metrics but timings, node ids and message sizes (a message carries the
+    timings, and the first the run's config with its run_name)."""
+    from fedapps.outputs import read_metrics
+
+    def kept(key: str) -> bool:
+        return "seconds" not in key and key != "node_id" and not key.endswith(("message_bytes", "wire_bytes"))
+
+    return [sorted((sorted((k, v) for k, v in c.items() if kept(k))
+                    for c in record["clients"]), key=str) for record in read_metrics(run_dir)]
 
 
 def merge(results: list[dict], parts: list) -> list[dict]:
@@ -116,7 +141,8 @@ def merge(results: list[dict], parts: list) -> list[dict]:
         raise SystemExit(f"overhead: the parts have different (clients, rounds) {sorted(map(str, protocols))}; "
                          "they do not make one table")
     order = {m: i for i, m in enumerate(MODELS)}
-    return sorted(results, key=lambda r: (order.get(r["model"], 99), r["mode"] != "simulation"))
+    modes = {m: i for i, m in enumerate(MODES)}
+    return sorted(results, key=lambda r: (order.get(r["model"], 99), modes.get(r["mode"], 99)))
 
 
 def report(results: list[dict], clients: int, rounds: int) -> str:
@@ -133,6 +159,11 @@ def report(results: list[dict], clients: int, rounds: int) -> str:
     for r in results:
         lines.append(f"| {r['model']} | {r['mode']} | {r['wall']:.2f} | {r['client_work']:.2f} | {r['setup']:.2f} | "
                      f"{r['overhead']:.2f} | {100 * r['overhead'] / r['wall']:.0f}% |")
+    same = [f"{r['model']}: {'bit-identical' if r['identical_to_cold'] else 'DIFFERENT'}"
+            for r in results if r.get("identical_to_cold") is not None]
+    if same:
+        lines += ["", "Model outputs of the warm worker against the cold deployment's (every loss and metric of "
+                  "`metrics.jsonl` but timings and message sizes): " + "; ".join(same) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -140,7 +171,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model only")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--modes", nargs="+", default=["simulation", "deployment"], choices=["simulation", "deployment"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                        help="deployment: stock Flower (a process per message); warm: with postcard.worker")
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-overhead")
@@ -154,7 +186,7 @@ def main(argv=None) -> int:
     started = time.time()
     results = []
     for model in models:
-        for mode, runner in (("simulation", simulation), ("deployment", deployment)):
+        for mode, runner in MODES.items():
             if mode not in args.modes:
                 continue
             run_dir = runner(model, args.clients, args.rounds, args.runs.resolve())
@@ -168,6 +200,9 @@ def main(argv=None) -> int:
                             **{k: float(np.mean([r[k] for r in steady])) for k in
                                ("wall", "client_work", "method", "setup", "overhead")}})
             r = results[-1]
+            cold = [c for c in results if c["model"] == model and c["mode"] == "deployment"]
+            if mode == "warm" and cold:
+                r["identical_to_cold"] = model_outputs(run_dir) == model_outputs(Path(cold[0]["run_dir"]))
             print(f"[overhead] {model} {mode}: round {r['wall']:.1f} s, slowest client's work {r['client_work']:.1f} s "
                   f"(setup {r['setup']:.1f} s), overhead {r['overhead']:.1f} s = {100 * r['overhead'] / r['wall']:.0f}%",
                   flush=True)

@@ -197,9 +197,10 @@ def config_out(config: str) -> Path:
 
 
 def model_outputs(run: Path) -> list:
-    """Each round's client metrics without timings, node ids and wire sizes (they encode timings)."""
-    return [[{k: v for k, v in c.items() if "seconds" not in k and k not in ("node_id", "uplink_wire_bytes")}
-             for c in r["clients"]] for r in read_metrics(run)]
+    """Each round's client metrics without timings, node ids and message sizes (a message carries
+    timings, and the first one the run's config with its output folder)."""
+    return [[{k: v for k, v in c.items() if "seconds" not in k and k != "node_id"
+              and not k.endswith(("message_bytes", "wire_bytes"))} for c in r["clients"]] for r in read_metrics(run)]
 
 
 def worker_log(cluster) -> str:
