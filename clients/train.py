@@ -24,6 +24,16 @@ from flwr.common.logger import log
 
 # who is training, for the progress lines (" (client 2, node 1234...)"; the ClientApp sets it per message)
 PROGRESS_LABEL: ContextVar[str] = ContextVar("postcard_progress_label", default="")
+
+
+@contextlib.contextmanager
+def progress_label(label: str):
+    """Progress lines of the training inside the block carry ``label`` (e.g. which client it is)."""
+    token = PROGRESS_LABEL.set(label)
+    try:
+        yield
+    finally:
+        PROGRESS_LABEL.reset(token)
 AUTOCAST_ATTR = "_postcard_autocast_dtype"  # set by place_model (CUDA with bf16, or frozen_bf16)
 
 

@@ -19,7 +19,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.assets import force_offline
-from clients.train import PROGRESS_LABEL
+from clients.train import progress_label
 from fedapps import privacy, registry, secure
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
@@ -31,17 +31,16 @@ app = ClientApp()
 def _call(msg: Message, context: Context):
     cfg = secure.method_view(client_config(msg, context))
     method = registry.get(cfg.algorithm.name)
-    call = ClientCall(msg, context, cfg, session(cfg, context, method.prepare))
-    # progress lines name the client (in a simulation Ray prefixes them with an actor's pid only)
-    PROGRESS_LABEL.set(f" (client {call.session.partition_id}, node {context.node_id})")
-    return method, call
+    return method, ClientCall(msg, context, cfg, session(cfg, context, method.prepare))
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     start = time.perf_counter()
     method, call = _call(msg, context)
-    update = method.train(call)
+    # progress lines name the client (in a simulation Ray prefixes them with an actor's pid only)
+    with progress_label(f" (client {call.session.partition_id}, node {context.node_id})"):
+        update = method.train(call)
     if update.content is not None:  # the method's own reply form (secure aggregation and DP are refused with it)
         return Message(content=update.content, reply_to=msg)
     update.metrics["partition-id"] = call.session.partition_id

@@ -51,7 +51,7 @@ def test_local_training_reports_progress_on_long_work_only():
     import logging
 
     from clients.tasks import make_task
-    from clients.train import PROGRESS_LABEL, local_train
+    from clients.train import local_train, progress_label
     from fedapps.baselines import prepare
     from fedapps.config import compose
 
@@ -74,14 +74,11 @@ def test_local_training_reports_progress_on_long_work_only():
             if expected:
                 assert lines[0].startswith("local training: step 1/4, loss ") and lines[0].endswith(" s left")
                 assert " s/step, ~" in lines[0]  # the rate and what is left of this message's training
-        token = PROGRESS_LABEL.set(" (client 1, node 7)")  # what the ClientApp sets for each message
-        try:
+        with progress_label(" (client 1, node 7)"):  # what the ClientApp sets around each message's training
             cfg = compose("train.local_steps=4 train.progress_seconds=1e-6", preset="test")
             records.clear()
             local_train(model, make_task(cfg, 0, 2, tokenizer), cfg.train, seed=1)
             assert [r for r in records if r.startswith("local training (client 1, node 7): step 1/4")], records
-        finally:
-            PROGRESS_LABEL.reset(token)
     finally:
         logging.getLogger("flwr").removeHandler(handler)
 
