@@ -32,6 +32,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=NEEDS_CIFAR10))
 
 
+# the demo's SmartFed pool sources (postcard.demo.POOL_SOURCES): plays the shakespeare task does not use
+SMARTFED_SOURCES = ["shakespeare-histories", "shakespeare-comedies"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_pool(tmp_path_factory):
+    """A SmartFed knowledge pool for the tiny Llama, built once per session by `postcard pool build`
+    (two short federated LoRA runs through the Ray simulation, fedapps.simulation.simulate):
+    (pool folder, the names added, its root). Read by test_smartfed_app (which checks its provenance)
+    and, as a copy, by test_demo (#40: the demo's own build of the same two sources was a second pair
+    of runs; its build step is checked without them in test_demo)."""
+    from postcard import pool as pool_cli
+
+    root = tmp_path_factory.mktemp("smartfed")
+    pool = root / "pool"
+    added = pool_cli.build(SMARTFED_SOURCES, ["preset=test", "rounds=1", "train.local_steps=2", "eval.max_batches=1",
+                                              f"output_dir={root / 'runs'}"], pool=pool)
+    return pool, added, root
+
+
 @pytest.fixture
 def outputs(tmp_path, monkeypatch):
     """Run folders of this test go to a temporary folder."""

@@ -369,11 +369,11 @@ def test_kv_cache_stream_scores_like_one_forward_and_bins_are_relative():
         relative_ce(flat, 1024)
 
 
-# --------------------------------------------------------------------------- simulations (Flower + Ray)
+# --------------------------------------------------------------------------- whole runs (inprocess.run)
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["meta-rules", "gate"])
 def test_fednl_simulation_learns_in_both_payload_modes(mode, outputs):
-    from fedapps.simulation import simulate
+    from inprocess import run as simulate  # run_server in this process (#40: no Ray start)
 
     summary = simulate(fednl_cfg(mode=mode))
     rounds = read_metrics(summary["run_dir"])
@@ -400,7 +400,7 @@ def test_fednl_simulation_learns_in_both_payload_modes(mode, outputs):
 
 @pytest.mark.slow
 def test_fednl_on_niah_runs_and_reports_accuracy_per_length(outputs):
-    from fedapps.simulation import simulate
+    from inprocess import run as simulate  # run_server in this process (#40: no Ray start)
 
     cfg = compose(["rounds=1", "train.local_steps=2", "train.batch_size=2", "task.train_per_template=2",
                    "task.test_per_template=2", "task.train_lengths=[640]", "task.test_lengths=[640,768]",

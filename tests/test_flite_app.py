@@ -93,7 +93,7 @@ def test_flite_simulation_from_a_task_pretrained_base_with_int4_payloads_learns(
     loads it with its head; FLITE's int4 latents then improve on θ_pre."""
     from clients.pretrain import read_report
     from fedapps.outputs import read_metrics
-    from fedapps.simulation import simulate
+    from inprocess import run as simulate  # run_server in this process (#40: no Ray start)
 
     cfg = compose(
         ["model=tiny-cnn", "partition=iid", "rounds=3", "train.local_steps=15", "train.batch_size=32",

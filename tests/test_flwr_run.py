@@ -85,7 +85,7 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
     The runs go to a two-node Ray cluster (RAY_ADDRESS, docs/deploy.md §1): the completed run's two
     ClientApps ran one on each node, and the same configuration run again by the in-process
     single-node simulation (fedapps.simulation, what the benchmarks use), beside that cluster, gives
-    the same metrics."""
+    the same metrics, and so does the tests' in-process runner (tests/inprocess.run)."""
     flwr_home = tmp_path / "flwr-home"
     env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     cluster = two_ray_nodes()
@@ -143,3 +143,12 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
     assert same["num_clients"] == summary["num_clients"] == 2
     assert same["metric_by_round"]["0"] == pytest.approx(summary["metric_by_round"]["0"], rel=1e-9)
     assert same["metric_by_round"]["1"] == pytest.approx(summary["metric_by_round"]["1"], rel=1e-6)
+    # and through the tests' in-process runner (inprocess.run: run_server with the ClientApp in this process,
+    # no Ray), which the per-method runs of the suite use in place of the simulation (#40): the same experiment
+    from fedapps.config import compose
+    from inprocess import run
+
+    here = run(compose(["rounds=1", "train.local_steps=2", f"output_dir={tmp_path / 'inprocess'}"], preset="test"))
+    assert here["num_clients"] == 2
+    assert here["metric_by_round"]["0"] == pytest.approx(summary["metric_by_round"]["0"], rel=1e-9)
+    assert here["metric_by_round"]["1"] == pytest.approx(summary["metric_by_round"]["1"], rel=1e-6)

@@ -301,17 +301,14 @@ def test_pool_add_and_list_and_foreign_backbone_refusal(tiny, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- simulations
-SOURCES = ["shakespeare-histories", "shakespeare-comedies"]
+SOURCES = ["shakespeare-histories", "shakespeare-comedies"]  # conftest.SMARTFED_SOURCES (the demo's)
 
 
-@pytest.fixture(scope="module")
-def tiny_pool(tmp_path_factory):
-    """Two short federated LoRA runs on the tiny Llama (other plays than the target task's)."""
-    root = tmp_path_factory.mktemp("smartfed")
-    pool = root / "pool"
-    added = pool_cli.build(SOURCES, ["preset=test", "rounds=1", "train.local_steps=2", "eval.max_batches=1",
-                                     f"output_dir={root / 'runs'}"], pool=pool)
-    return pool, added, root
+@pytest.fixture
+def tiny_pool(tiny_llama_pool):
+    """Two short federated LoRA runs on the tiny Llama (other plays than the target task's), built by
+    `postcard pool build` once per session (tests/conftest.py; test_demo reads a copy of it too)."""
+    return tiny_llama_pool
 
 
 @pytest.mark.slow
@@ -337,7 +334,7 @@ def test_smartfed_learns_over_three_rounds(tiny_pool, mode, outputs):
     from clients.models.llm import load_causal_lm
     from clients.tasks import make_task
     from clients.train import evaluate
-    from fedapps.simulation import simulate
+    from inprocess import run as simulate  # run_server in this process (#40: no Ray start)
     from fedapps.smartfed import load_run_mixture
 
     pool_path, _, _ = tiny_pool
