@@ -54,14 +54,18 @@ class InProcessGrid:
 
 def run(cfg, clients=None) -> dict:
     """``cfg`` run to its end in this process (``fedapps.simulation.simulate``'s run, without Ray): its summary.
-    Like a fresh Ray actor, the run starts with no prepared model cached (fedapps.session); the torch thread
-    count the clients set (train.threads) is given back afterwards."""
+    Like a fresh Ray actor, the run starts with no prepared model cached (fedapps.session); what the clients
+    change in this process, the torch thread count (train.threads) and the global random generators they
+    seed, is given back afterwards, so that later tests in the process see none of it."""
+    import random
+
+    import numpy as np
     import torch
 
     from fedapps import session
     from fedapps.runner import client_count, run_server
 
-    threads = torch.get_num_threads()
+    threads, rng = torch.get_num_threads(), (torch.random.get_rng_state(), np.random.get_state(), random.getstate())
     session._MODELS.clear()
     session._TASKS.clear()
     try:
@@ -70,6 +74,9 @@ def run(cfg, clients=None) -> dict:
         session._MODELS.clear()
         session._TASKS.clear()
         torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
 
 
 def message(cfg, arrays, phase: str, server_round: int, node: int, config: dict | None = None) -> Message:
