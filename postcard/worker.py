@@ -48,6 +48,7 @@ from pathlib import Path
 
 FLWR_VERSION = "1.42.0"  # the Flower whose internals this module uses (see the module docstring)
 STARTED = time.time()  # when this program started (a re-execution keeps the pid, not this)
+PRELOAD = "torch,transformers,peft"  # what every Postcard ClientApp imports: ready before the first message
 RELOAD_EXIT = 3  # the serving process ends itself so that its supervisor starts a fresh one
 
 
@@ -254,18 +255,40 @@ def watch_parent(pid: int) -> None:
     """Exit (without cleanup: the parent is gone) when process ``pid`` ends."""
     import psutil
 
+    def alive() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     def watch() -> None:
-        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        while alive():
             time.sleep(0.5)
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True, name="postcard-parent-watch").start()
 
 
+def preload(modules: str) -> None:
+    """Import the app's heavy libraries before the first task arrives (never the app's own code:
+    that comes from the task's FAB)."""
+    import importlib
+
+    start = time.perf_counter()
+    for name in filter(None, (m.strip() for m in modules.split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001  (the app imports it again, and fails there if it must)
+            _log(f"preloading {name} failed: {type(err).__name__}: {err}")
+    if modules:
+        _log(f"preloaded {modules} in {time.perf_counter() - start:.1f} s")
+
+
 def serve(args) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops this process (SIGTERM)
     if args.parent_pid:
         watch_parent(args.parent_pid)
+    preload(args.preload)
     Server(args).loop()
     return 0
 
@@ -325,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--root-certificates", default=None, help="CA of the Runtime API's certificate (HTTPS)")
     parser.add_argument("--parent-pid", type=int, default=None, help="stop when this process (the SuperNode) ends")
     parser.add_argument("--events", default=None, help="append one JSON line per message to this file")
-    parser.add_argument("--poll", type=float, default=0.2, help="seconds between task polls when idle")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between task polls when idle")
+    parser.add_argument("--preload", default=PRELOAD,
+                        help=f"libraries to import before the first task, comma-separated (default {PRELOAD}; '' none)")
     # internal: the serving process and its re-execution
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
@@ -337,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _base_argv(args) -> list[str]:
     """The user's options, passed on to the serving process (and to its re-execution)."""
-    argv = ["--runtime-api-address", args.runtime_api_address, "--poll", str(args.poll)]
+    argv = ["--runtime-api-address", args.runtime_api_address, "--poll", str(args.poll), "--preload", args.preload]
     if args.insecure:
         argv.append("--insecure")
     if args.root_certificates:
