@@ -58,28 +58,15 @@ class SecureStages:
 
     def keys(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """The nodes' public keys -> the shares stage's messages."""
-        if self.round is None:
-            return []
-        secure = self.round
-        try:
-            out = secure.take_keys(self._replies(replies, KEYS))
-        except SecAggError as err:
-            return self._abandon(err)
-        finally:
-            self._note_drops(KEYS, secure)
-        return self._sent(SHARES, out)
+        taken, out = self._take(KEYS, SecureRound.take_keys, replies)
+        return self._sent(SHARES, out) if taken else []
 
     def shares(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """The nodes' encrypted shares -> the training messages, each with the shares addressed to its node."""
-        if self.round is None:
-            return []
         secure = self.round
-        try:
-            secure.take_shares(self._replies(replies, SHARES))
-        except SecAggError as err:
-            return self._abandon(err)
-        finally:
-            self._note_drops(SHARES, secure)
+        taken, _ = self._take(SHARES, SecureRound.take_shares, replies)
+        if not taken:
+            return []
         before = {id(m): codec.message_bytes(m.content) for m in self.train}
         out = [m for m in (secure.attach(m) for m in self.train) if m is not None]
         for msg in out:
@@ -145,6 +132,21 @@ class SecureStages:
         return self.strategy.release(server_round, update, self.metrics, [1] * count)
 
     # ------------------------------------------------------------------ helpers
+    def _take(self, phase: str, take, replies: Iterable[Message]) -> tuple[bool, object]:
+        """A stage's replies handed to ``take`` (a :class:`SecureRound` method): (True, its result), or
+        (False, None) when there is no round or it is abandoned (below the threshold); either way the
+        nodes the stage dropped are refused by name."""
+        secure = self.round
+        if secure is None:
+            return False, None
+        try:
+            return True, take(secure, self._replies(replies, phase))
+        except SecAggError as err:
+            self._abandon(err)
+            return False, None
+        finally:
+            self._note_drops(phase, secure)
+
     def _replies(self, replies: Iterable[Message], phase: str) -> dict[int, Message]:
         """A stage's replies by node: client errors and identity problems refused (as any reply's);
         sizes and contents are checked by the stage itself."""
