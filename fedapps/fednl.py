@@ -74,6 +74,7 @@ def memory_config(cfg) -> FedNLConfig:
             beta_init_logit=float(memory.beta_init_logit),
             qk_activation=str(memory.qk_activation),
             use_fla=use_fla if use_fla is None else bool(use_fla),
+            memory_heads=str(memory.get("memory_heads", FedNLConfig.memory_heads)),
         )
     except (TypeError, ValueError) as err:
         raise FedNLSetupError(f"invalid algorithm.memory: {err}") from None

@@ -182,3 +182,91 @@ def test_autocast_does_not_round_the_memory_to_bf16(rule):
         o, s = rule(q, k, v, beta, initial_state=s0)
     assert o.dtype == s.dtype == torch.float32
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+
+# --------------------------------------------------------------------------- grouped heads (memory_heads="kv")
+def grouped_inputs(groups=3, kv_heads=2, length=130, state=False, padding=False, seed=5):
+    """q on kv_heads * groups query heads; k, v, beta (and the state) on kv_heads memories."""
+    q, _, _, _, _ = random_inputs(heads=kv_heads * groups, length=length, seed=seed)
+    _, k, v, beta, s0 = random_inputs(heads=kv_heads, length=length, seed=seed + 1, state=state)
+    if padding:  # left padding on the first sequence, a hole in the second: beta = 0 there, k and v zeroed
+        valid = torch.ones(2, 1, length, dtype=torch.bool)
+        valid[0, :, :7] = False
+        valid[1, :, 40:45] = False
+        beta = beta * valid
+        k, v = k * valid[..., None], v * valid[..., None]
+    return q, k, v, beta, s0
+
+
+def repeated(groups, k, v, beta, s0):
+    """The per-query-head reference's inputs: k, v, beta and the state repeated to the query heads."""
+    out = [x.repeat_interleave(groups, dim=1) for x in (k, v, beta)]
+    return (*out, None if s0 is None else s0.repeat_interleave(groups, dim=1))
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_grouped_heads_equal_the_reference_on_repeated_heads(form, with_state, padding):
+    """One memory per key/value head, read by its G query heads == the per-query-head form on k, v, beta
+    (and the state) repeated to the query heads: outputs, final state, and the gradients wrt q, k, v, beta
+    and the state (130 tokens: an incomplete last chunk of 64)."""
+    groups, kv_heads = 3, 2
+    inputs = grouped_inputs(groups, kv_heads, state=with_state, padding=padding)
+    rule = delta_rule_recurrent if form == "recurrent" else delta_rule_chunked
+    extra = {} if form == "recurrent" else {"chunk_size": 64}
+    results = []
+    for grouped in (True, False):
+        leaves = [None if x is None else x.clone().requires_grad_(True) for x in inputs]
+        q, k, v, beta, s0 = leaves
+        if grouped:
+            o, s = rule(q, k, v, beta, initial_state=s0, **extra)
+        else:
+            k, v, beta, s0 = repeated(groups, k, v, beta, s0)
+            o, s = delta_rule_recurrent(q, k, v, beta, initial_state=s0)  # the reference, per query head
+            s = s.unflatten(1, (kv_heads, groups))
+            assert all((s[:, :, g] - s[:, :, 0]).abs().max() <= 1e-5 for g in range(groups))  # G equal copies
+            s = s[:, :, 0]
+        weight = torch.linspace(-1, 1, o.numel()).reshape(o.shape)
+        ((o * weight).sum() + s.square().sum()).backward()
+        results.append((o, s, [None if x is None else x.grad for x in leaves]))
+    (o, s, grads), (o_ref, s_ref, grads_ref) = results
+    assert o.shape == (2, kv_heads * groups, 130, 12) and s.shape == (2, kv_heads, 12, 16)
+    assert (o - o_ref).abs().max() <= 1e-4 and (s - s_ref).abs().max() <= 1e-4
+    for name, g, g_ref in zip(("q", "k", "v", "beta", "initial_state"), grads, grads_ref):
+        if g_ref is None:
+            continue
+        assert g is not None and torch.isfinite(g).all() and g.abs().max() > 0, name
+        assert (g - g_ref).abs().max() <= 1e-4 * max(1.0, g_ref.abs().max().item()), name
+
+
+@pytest.mark.parametrize("length", [1, 5, 64])
+def test_grouped_chunked_equals_grouped_recurrent_on_short_sequences(length):
+    q, k, v, beta, s0 = grouped_inputs(groups=2, kv_heads=3, length=length, state=True)
+    o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, initial_state=s0)
+    o, s = delta_rule_chunked(q, k, v, beta, chunk_size=16, initial_state=s0)
+    assert o.shape == (2, 6, length, 12) and s.shape == (2, 3, 12, 16)
+    assert (o - o_ref).abs().max() <= 1e-4 and (s - s_ref).abs().max() <= 1e-4
+    empty = [x[:, :, :0] for x in (q, k, v, beta)]
+    for rule in (delta_rule_recurrent, delta_rule_chunked):
+        o, s = rule(*empty, initial_state=s0)
+        assert o.shape == (2, 6, 0, 12) and torch.equal(s, s0)
+
+
+def test_grouped_heads_must_divide_the_query_heads():
+    q, k, v, beta, _ = grouped_inputs(groups=3, kv_heads=2, length=10)
+    with pytest.raises(ValueError, match="divisor of q's heads"):
+        delta_rule_chunked(q[:, :5], k, v, beta)
+    with pytest.raises(ValueError, match="initial_state"):  # the state is per memory (key/value head)
+        delta_rule_recurrent(q, k, v, beta, initial_state=torch.zeros(2, 6, 12, 16))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
+def test_fla_kernel_on_grouped_heads_matches_the_reference():
+    inputs = grouped_inputs(groups=3, kv_heads=2, length=200, state=True)
+    o_ref, s_ref = delta_rule_recurrent(*inputs[:4], initial_state=inputs[4])
+    cuda = [x.cuda() for x in inputs]
+    o, s = delta_rule_chunked(*(x.bfloat16() for x in cuda[:4]), initial_state=cuda[4], use_fla=True)
+    assert o.shape == o_ref.shape and s.shape == s_ref.shape
+    assert (o.float().cpu() - o_ref).abs().max() <= 5e-2 * max(1.0, o_ref.abs().max().item())
+    assert (s.cpu() - s_ref).abs().max() <= 5e-2 * max(1.0, s_ref.abs().max().item())

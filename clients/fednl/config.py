@@ -8,6 +8,7 @@ from dataclasses import dataclass
 GATE_MODES = ("scalar", "channel")
 BETA_MODES = ("input", "constant")
 QK_ACTIVATIONS = ("silu", "identity")
+MEMORY_HEADS = ("kv", "query")
 
 
 @dataclass
@@ -23,6 +24,9 @@ class FedNLConfig:
     beta_init_logit: float = 0.0  # b at init (W starts at zero): beta = 0.5
     qk_activation: str = "silu"  # applied to q, k before L2 normalisation in the memory path
     use_fla: bool | None = None  # fla's CUDA kernel: None = when usable, True = required, False = never
+    # "query": one memory (and one beta) per query head, k/v repeated to the query heads (GQA);
+    # "kv": one memory (and one beta) per key/value head, read by each of its query heads
+    memory_heads: str = "query"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -39,6 +43,8 @@ class FedNLConfig:
             raise ValueError(f"beta must be one of {BETA_MODES}, got {self.beta!r}")
         if self.qk_activation not in QK_ACTIVATIONS:
             raise ValueError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {self.qk_activation!r}")
+        if self.memory_heads not in MEMORY_HEADS:
+            raise ValueError(f"memory_heads must be one of {MEMORY_HEADS}, got {self.memory_heads!r}")
         if self.use_fla not in (None, True, False):
             raise ValueError(f"use_fla must be None, True or False, got {self.use_fla!r}")
         for name in ("gate_init_logit", "beta_init_logit"):

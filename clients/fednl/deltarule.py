@@ -55,7 +55,7 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor | None):
-    """Validate shapes; return ``(batch, heads, T, d_k, d_v)``."""
+    """Validate shapes; return ``(batch, heads, T, d_k, d_v)`` where ``heads`` are k's (the memories)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -66,15 +66,18 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: 
             "q, k, v must be 4-D (batch, heads, T, d); got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    batch, heads, length, d_k = q.shape
-    if v.shape[:3] != q.shape[:3]:
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            "q and k must have the same shape, or k a divisor of q's heads (one memory per key/value head), "
+            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    batch, heads, length, d_k = k.shape
+    if v.shape[:3] != k.shape[:3]:
         raise ValueError(
             f"v must be (batch, heads, T, d_v) = ({batch}, {heads}, {length}, d_v), got v {tuple(v.shape)}"
         )
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must be (batch, heads, T) = {tuple(q.shape[:3])}, got beta {tuple(beta.shape)}")
+    if beta.shape != k.shape[:3]:
+        raise ValueError(f"beta must be (batch, heads, T) = {tuple(k.shape[:3])}, got beta {tuple(beta.shape)}")
     d_v = v.shape[-1]
     if initial_state is not None and initial_state.shape != (batch, heads, d_v, d_k):
         raise ValueError(
@@ -95,7 +98,7 @@ def _float_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: 
     q, k, v, beta = (x.float() for x in (q, k, v, beta))
     if qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    return q, k, v, beta, _initial_state(initial_state, q.shape[0], q.shape[1], v.shape[-1], q.shape[-1], q.device)
+    return q, k, v, beta, _initial_state(initial_state, k.shape[0], k.shape[1], v.shape[-1], k.shape[-1], q.device)
 
 
 def _full_precision(x: Tensor):
@@ -118,14 +121,21 @@ def delta_rule_recurrent(
 ) -> tuple[Tensor, Tensor]:
     """Token-by-token delta rule. Returns ``(o, final_state)``.
 
-    ``o`` is ``(batch, heads, T, d_v)`` in q's dtype, ``final_state`` is
-    ``(batch, heads, d_v, d_k)`` in float32. Beyond the outputs, memory is O(1) in T
-    under ``torch.no_grad()`` (autograd, when enabled, keeps every step for BPTT).
+    ``o`` is ``(batch, q_heads, T, d_v)`` in q's dtype, ``final_state`` is
+    ``(batch, heads, d_v, d_k)`` in float32, ``heads`` being k's. With fewer key/value heads
+    than query heads (grouped: q ``(batch, heads * G, T, d_k)``), each memory is written once
+    and read by its G query heads (query head ``h`` reads memory ``h // G``, as HF's
+    ``repeat_kv``): the same answer as repeating k, v, beta (and the state) to the query
+    heads. Beyond the outputs, memory is O(1) in T under ``torch.no_grad()`` (autograd, when
+    enabled, keeps every step for BPTT).
     """
     batch, heads, length, d_k, d_v = _check_inputs(q, k, v, beta, initial_state)
+    groups = q.shape[1] // heads
     with _full_precision(q):  # float32 even under autocast: the state must not round to bf16
         out_dtype = q.dtype
         q, k, v, beta, state = _float_inputs(q, k, v, beta, initial_state, qk_l2norm)
+        if groups > 1:  # (B, KV, G, T, d): the G query heads of each memory side by side
+            q = q.reshape(batch, heads, groups, length, d_k)
         outputs = []
         for t in range(length):
             k_t = k[:, :, t].unsqueeze(-1)  # (B, H, d_k, 1)
@@ -133,11 +143,16 @@ def delta_rule_recurrent(
             b_t = beta[:, :, t, None, None]  # (B, H, 1, 1)
             error = v_t - state @ k_t  # what the memory gets wrong about this key
             state = state + (b_t * error) @ k_t.transpose(-1, -2)
-            outputs.append((state @ q[:, :, t].unsqueeze(-1)).squeeze(-1))
-        if outputs:
+            if groups == 1:
+                outputs.append((state @ q[:, :, t].unsqueeze(-1)).squeeze(-1))
+            else:  # the group's G queries read the memory in one product: (B, KV, G, d_v)
+                outputs.append(q[:, :, :, t] @ state.transpose(-1, -2))
+        if not outputs:
+            o = q.new_zeros(batch, heads * groups, 0, d_v)
+        elif groups == 1:
             o = torch.stack(outputs, dim=2)
         else:
-            o = q.new_zeros(batch, heads, 0, d_v)
+            o = torch.stack(outputs, dim=3).reshape(batch, heads * groups, length, d_v)
         return o.to(out_dtype), state
 
 
@@ -205,9 +220,13 @@ def delta_rule_chunked(
     is zero-padded (beta = 0 there, so padding writes nothing). ``use_fla``: None picks
     the fla Triton kernel when it can run (CUDA tensors, fp16/bf16, package installed),
     True requires it, False never uses it. Returns ``(o, final_state)`` as
-    :func:`delta_rule_recurrent` does.
+    :func:`delta_rule_recurrent` does, grouped heads included: with G query heads per
+    key/value head, the write path (UT transform, ``u'``, the state update) runs once per
+    memory, and the G query heads' chunk rows are stacked (``G*C`` rows) so that each read
+    (``q S^T`` and ``causal(q k^T) u'``) is one product per chunk, larger rather than more.
     """
     batch, heads, length, d_k, d_v = _check_inputs(q, k, v, beta, initial_state)
+    groups = q.shape[1] // heads
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if use_fla is True and not fla_usable(q):
@@ -222,7 +241,7 @@ def delta_rule_chunked(
         out_dtype = q.dtype
         q, k, v, beta, state = _float_inputs(q, k, v, beta, initial_state, qk_l2norm)
         if length == 0:
-            return q.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+            return q.new_zeros(batch, heads * groups, 0, d_v).to(out_dtype), state
 
         size = min(chunk_size, length)
         pad = (-length) % size
@@ -235,12 +254,20 @@ def delta_rule_chunked(
         def blocks(x: Tensor) -> Tensor:  # (B, H, T, d) -> (B*H, chunks, C, d), a view
             return x.reshape(rows, chunks, size, x.shape[-1])
 
-        q, k, v = blocks(q), blocks(k), blocks(v)
+        k, v = blocks(k), blocks(v)
         beta = beta.reshape(rows, chunks, size)
+        if groups == 1:
+            q = blocks(q)
+        else:  # (B, KV*G, T, d) -> (B*KV, chunks, G*C, d): a memory's G query heads, chunk by chunk, stacked
+            q = q.reshape(batch, heads, groups, chunks, size, d_k).transpose(2, 3).reshape(rows, chunks, -1, d_k)
 
         # Everything that does not depend on the incoming state, for all chunks in parallel.
         w, u = ut_transform(k, v, beta)
-        intra = torch.tril(q @ k.transpose(-1, -2))  # causal, the diagonal included
+        scores = q @ k.transpose(-1, -2)
+        if groups == 1:
+            intra = torch.tril(scores)  # causal, the diagonal included
+        else:  # the same causal mask on each of the G stacked query blocks
+            intra = torch.tril(scores.view(rows, chunks, groups, size, size)).view(rows, chunks, groups * size, size)
 
         # The state is carried transposed, S^T (B*H, d_k, d_v), so that every step is a (b)addbmm
         # without a copy. Per-chunk views are taken once with unbind: indexing chunk c inside the
@@ -251,8 +278,13 @@ def delta_rule_chunked(
             u_true = torch.baddbmm(u_c, w_c, state_t, alpha=-1.0)  # what each token of the chunk really writes
             outputs.append(torch.baddbmm(torch.bmm(q_c, state_t), intra_c, u_true))
             state_t = torch.baddbmm(state_t, k_c.transpose(1, 2), u_true)
-        o = torch.stack(outputs, dim=1).reshape(batch, heads, chunks * size, d_v)[:, :, :length]
-        return o.to(out_dtype), state_t.transpose(1, 2).reshape(batch, heads, d_v, d_k)
+        o = torch.stack(outputs, dim=1)  # (B*H, chunks, G*C, d_v)
+        if groups == 1:
+            o = o.reshape(batch, heads, chunks * size, d_v)
+        else:
+            o = o.view(batch, heads, chunks, groups, size, d_v).transpose(2, 3)
+            o = o.reshape(batch, heads * groups, chunks * size, d_v)
+        return o[:, :, :length].to(out_dtype), state_t.transpose(1, 2).reshape(batch, heads, d_v, d_k)
 
 
 # --------------------------------------------------------------------------- optional CUDA kernel
@@ -268,9 +300,17 @@ def fla_usable(x: Tensor) -> bool:
 
 def _fla_chunk_delta_rule(q, k, v, beta, initial_state, qk_l2norm):
     """fla's Triton kernel. fla wants (B, T, H, d) and keeps the state as (d_k, d_v);
-    ``scale=1.0`` because this module's readout is ``o = S q`` without 1/sqrt(d_k)."""
+    ``scale=1.0`` because this module's readout is ``o = S q`` without 1/sqrt(d_k). Grouped heads
+    (fewer key/value heads than query heads) go in repeated to the query heads, the state too:
+    the G copies of a memory see the same writes, so the first copy is the memory's final state."""
     from fla.ops.delta_rule import chunk_delta_rule  # imported only when it will run
 
+    heads = k.shape[1]
+    groups = q.shape[1] // heads
+    if groups > 1:
+        k, v, beta = (x.repeat_interleave(groups, dim=1) for x in (k, v, beta))
+        if initial_state is not None:
+            initial_state = initial_state.repeat_interleave(groups, dim=1)
     h0 = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
     o, state = chunk_delta_rule(
         q.transpose(1, 2).contiguous(),
@@ -282,4 +322,7 @@ def _fla_chunk_delta_rule(q, k, v, beta, initial_state, qk_l2norm):
         output_final_state=True,
         use_qk_l2norm_in_kernel=qk_l2norm,
     )
-    return o.transpose(1, 2), state.float().transpose(-1, -2)
+    state = state.float().transpose(-1, -2)
+    if groups > 1:
+        state = state.unflatten(1, (heads, groups))[:, :, 0]
+    return o.transpose(1, 2), state

@@ -14,11 +14,14 @@ and the weights sum to one. Choices, where the papers leave room:
 * The memory path works on the projections *before* RoPE, as TPTT does: the memory is
   content-addressed, and rotating keys by their absolute position would make a key
   written at token 100 miss the same key asked at token 10,000. As in DeltaNet and
-  TPTT, q and k go through SiLU (``qk_activation``) and are L2-normalised; GQA key/value
-  heads are repeated to the query heads, as the softmax path does. The readout is
+  TPTT, q and k go through SiLU (``qk_activation``) and are L2-normalised. With GQA,
+  ``memory_heads="query"`` repeats the key/value heads to the query heads, as the softmax
+  path does (one memory per query head); ``memory_heads="kv"`` keeps one memory (and one
+  beta) per key/value head, written once and read by each of its query heads (SmolLM2:
+  3 memories for 9 query heads, a third of the write work). The readout is
   ``o_t = S_t q_t``: with unit keys the memory returns values on the scale of v, the
   same scale as softmax attention's convex mix of values, so no rescaling is needed.
-* ``beta_t = sigmoid(w_h . x_t + b_h)`` per head from the layer input (``beta="input"``)
+* ``beta_t = sigmoid(w_h . x_t + b_h)`` per memory head from the layer input (``beta="input"``)
   or a learnable per-head constant (``beta="constant"``). Padding tokens get beta = 0 and
   never write to the memory.
 * ``alpha = sigmoid(fednl_gate)``, one scalar per layer (``gate="scalar"``) or one per
@@ -186,7 +189,7 @@ class LayerStream:
         self.window = window
         self.sink = sink if window is not None else 0
         self.form = form
-        self.memory: Tensor | None = None  # (B, H, d_v, d_k) float32
+        self.memory: Tensor | None = None  # (B, memory heads, d_v, d_k) float32: query or KV heads (memory_heads)
         self.keys: Tensor | None = None  # (B, KV, <= sink + window, d), after RoPE
         self.values: Tensor | None = None
         self.positions: Tensor | None = None  # the cached keys' absolute positions
@@ -274,12 +277,15 @@ def dual_path_attention_forward(
     if config.qk_activation == "silu":
         query, key = F.silu(query), F.silu(key)
     q_mem = l2_normalize(query.to(linear_dtype))
-    # normalised once per key/value head, then repeated to the query heads (as the softmax path does)
-    k_mem = _repeat_kv(l2_normalize(key.to(linear_dtype)), self.num_key_value_groups)
-    v_mem = _repeat_kv(value.to(linear_dtype), self.num_key_value_groups)
+    # normalised once per key/value head; memory_heads="query": then repeated to the query heads (as the
+    # softmax path does), one memory per query head; "kv": one memory per key/value head, which the delta
+    # rule writes once and lets its query heads read
+    groups = self.num_key_value_groups if config.memory_heads == "query" else 1
+    k_mem = _repeat_kv(l2_normalize(key.to(linear_dtype)), groups)
+    v_mem = _repeat_kv(value.to(linear_dtype), groups)
     beta = self.fednl_beta(hidden_states)
     valid = None if stream is not None else _valid_tokens(attention_mask, batch, length, past)
-    if valid is not None:  # padding writes nothing
+    if valid is not None and not bool(valid.all()):  # padding writes nothing (no padding: nothing to mask)
         beta = beta * valid
         k_mem = torch.where(valid[..., None], k_mem, torch.zeros_like(k_mem))
         v_mem = torch.where(valid[..., None], v_mem, torch.zeros_like(v_mem))

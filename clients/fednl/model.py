@@ -55,10 +55,12 @@ def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.
     for attn in attentions:
         num_heads = attn.config.num_attention_heads
         channels = num_heads * attn.head_dim
+        # one memory, and one beta, per query head or per key/value head (memory_heads)
+        memories = num_heads if config.memory_heads == "query" else num_heads // attn.num_key_value_groups
         device = next(attn.o_proj.parameters()).device
         shape = (1,) if config.gate == "scalar" else (channels,)
         attn.fednl_gate = nn.Parameter(torch.full(shape, float(config.gate_init_logit), device=device))
-        attn.fednl_beta = BetaProjection(attn.config.hidden_size, num_heads, config.beta, config.beta_init_logit).to(
+        attn.fednl_beta = BetaProjection(attn.config.hidden_size, memories, config.beta, config.beta_init_logit).to(
             device
         )
         attn.fednl_config = config
