@@ -1,5 +1,7 @@
-"""`flwr run .` of the registered app, on the real embedded SmolLM2 (a few steps)."""
+"""`flwr run .` of the registered app, on the real embedded SmolLM2 (a few steps); postcard.app_run's and
+`postcard`'s exit codes and a Hydra sweep on a two-node Ray cluster."""
 
+import csv
 import json
 import os
 import shutil
@@ -82,10 +84,13 @@ def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
 def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experiment(tmp_path):
     """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 2 for a refused configuration
     (at once), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes.
-    The runs go to a two-node Ray cluster (RAY_ADDRESS, docs/deploy.md §1): the completed run's two
-    ClientApps ran one on each node, and the same configuration run again by the in-process
-    single-node simulation (fedapps.simulation, what the benchmarks use), beside that cluster, gives
-    the same metrics, and so does the tests' in-process runner (tests/inprocess.run)."""
+    The runs go to a two-node Ray cluster (RAY_ADDRESS, docs/deploy.md §1). The completed runs are a
+    Hydra sweep (`postcard -m algorithm=fedavg-lora,ffa-lora`: two `flwr run`s submitted through
+    postcard.app_run, one comparison table in the sweep's folder; #40: this was a test of its own, with
+    a SuperLink and a run of its own); their ClientApps ran on both nodes, and the fedavg-lora run's
+    configuration run again by the in-process single-node simulation (fedapps.simulation, what the
+    benchmarks use), beside that cluster, gives the same metrics, and so does the tests' in-process
+    runner (tests/inprocess.run)."""
     flwr_home = tmp_path / "flwr-home"
     env = flower_env(flwr_home)  # this venv, offline, the local SuperLink ports of this FLWR_HOME
     cluster = two_ray_nodes()
@@ -115,12 +120,29 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         assert "no knowledge pool at" in failed.stdout + failed.stderr
         assert "Traceback" not in failed.stdout + failed.stderr  # one line, not Flower's traceback of the ServerApp
         assert not out.exists()  # refused before any run folder
-        done = app_run(f"preset='test' overrides='rounds=1 train.local_steps=2' output-dir='{out}'")
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        assert "finished:completed" in done.stdout
-        (run,) = out.iterdir()
+        # a sweep: `postcard -m`, each configuration `flwr run` through postcard.app_run, then one table
+        sweeps = tmp_path / "cli"
+        done = subprocess.run([sys.executable, "-m", "postcard.cli", "-m", "algorithm=fedavg-lora,ffa-lora",
+                               "preset=test", "rounds=1", "train.local_steps=2"], cwd=ROOT,
+                              env=dict(env, POSTCARD_OUTPUTS=str(sweeps)), capture_output=True, text=True, timeout=900)
+        log = done.stdout + done.stderr
+        assert done.returncode == 0, log[-3000:]
+        assert "run_simulation" not in log  # Flower's deprecated in-process API is not used
+        assert log.count("finished:completed") == 2
+        assert "\x1b[" not in log  # piped: no colour codes
+        (table,) = sweeps.glob("sweeps/*/comparison.csv")
+        rows = list(csv.DictReader(open(table)))
+        assert [r["algorithm"] for r in rows] == ["fedavg-lora", "ffa-lora"]
+        assert float(rows[1]["uplink_vs_fedavg_lora"]) < 1.0
+        assert (table.parent / "comparison.md").exists()
+        assert (table.parent / "comparison.png").exists()  # metric vs cumulative uplink bytes
+        # each run's own folder in the sweep's, named by the swept value; no empty job folders of Hydra's beside them
+        assert sorted(p.name for p in table.parent.iterdir() if p.is_dir()) == \
+            ["algorithm=fedavg-lora", "algorithm=ffa-lora"]
+        run = table.parent / "algorithm=fedavg-lora"
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "completed"
+        assert json.loads((table.parent / "algorithm=ffa-lora" / "summary.json").read_text())["status"] == "completed"
         placement = ray_placement(cluster.address)
         assert len(placement["nodes"]) == 2
         assert set(placement["actors"]) == set(placement["nodes"]), placement  # ClientApps ran on both nodes
