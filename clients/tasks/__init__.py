@@ -23,6 +23,10 @@ def make_task(cfg, partition_id: int, num_partitions: int, tokenizer=None) -> Ta
         from clients.tasks.niah_task import NIAHTask
 
         return NIAHTask(cfg, partition_id, num_partitions, tokenizer)
+    if kind == "passkey":
+        from clients.tasks.passkey import PasskeyTask
+
+        return PasskeyTask(cfg, partition_id, num_partitions, tokenizer)
     if kind == "image":
         from clients.tasks.image import ImageTask
 

@@ -352,10 +352,11 @@ def _question_block(question: str, choices: Sequence[str]) -> str:
     return f"\n\nQuestion: {question}\n{options}\nAnswer:"
 
 
-def _take_filler(start: int, budget: int, count: CountTokens) -> tuple[list[str], list[int]]:
-    """Consecutive units from ``start`` (wrapping around the corpus) worth ``budget`` tokens;
-    the last unit is cut at a word to fill the budget."""
-    units, sizes = filler_units(), []
+def _take_filler(start: int, budget: int, count: CountTokens,
+                 units: Sequence[str] | None = None) -> tuple[list[str], list[int]]:
+    """Consecutive units from ``start`` (wrapping around ``units``, by default the plays' filler
+    units) worth ``budget`` tokens; the last unit is cut at a word to fill the budget."""
+    units, sizes = filler_units() if units is None else units, []
     taken: list[str] = []
     used, i = 0, start
     while used < budget:
