@@ -255,3 +255,25 @@ def test_a_rendered_result_shows_the_day_it_was_made_not_the_day_it_is_rendered(
     old = {"mmlu": {"a": {"run_dir": "/x/mmlu/20261203-130229/mmlu_a"}, "b": {"run_dir": "/x/20261201-090000/b"}}}
     assert run_date(old) == "2026-12-03"
     assert run_date({"throughput": {"ratio": 0.8}}) == "date not recorded"
+
+
+def test_passkey_bounds_score_the_same_prompts_with_full_attention_and_each_window(tmp_path, capsys):
+    """The passkey section on the tiny model: every model scores every prompt, the table renders, a bad
+    window / distance pair is refused before anything runs."""
+    from bench.fednl.passkey import passkey_lines, section_passkey
+
+    args = parse_args(["--quick", "--sections", "passkey"])
+    assert (args.passkey_lengths, args.passkey_windows, args.passkey_min_distance) == ([256, 320], [16, 32], 64)
+    args.passkey_lengths, args.passkey_windows, args.passkey_prompts, args.threads = [256], [16], 2, 1
+    result = section_passkey(args, tmp_path)
+    assert list(result["correct"]) == ["full attention", "window 16 + 4 sinks, memory off"]
+    assert all(len(cells["256"]) == 2 for cells in result["correct"].values())
+    assert {p["filler"] for p in result["prompts"]} == {"grass", "shakespeare"}
+    assert all(p["distance"] >= 64 for p in result["prompts"])
+    assert json.loads((tmp_path / "passkey.json").read_text())["summary"] == result["summary"]
+    text = passkey_lines(result)
+    assert "| full attention |" in text and "| window 16 + 4 sinks, memory off |" in text
+    for bad in (["--passkey-windows", "64,200"], ["--passkey-fillers", "grass,wiki"], ["--passkey-prompts", "3"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--sections", "passkey", *bad])
+    assert "--passkey-min-distance (160) must exceed every window (200)" in capsys.readouterr().err

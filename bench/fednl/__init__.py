@@ -38,6 +38,11 @@ Sections (``--sections``, all by default), each a real Flower simulation or meas
    untrained backbone (full attention; the window without and with sinks), then of FedNL,
    its ablation (same window and sinks, memory off) and fedavg-lora (full attention) after
    ``--lm-rounds`` rounds; FedNL paired against its ablation, α per layer at the end.
+6. ``passkey``: the bounds of the retrieval comparison (issue #44), before any training: the same
+   held-out ``task=passkey`` prompts (a 5-digit key ``--passkey-min-distance`` or more tokens before
+   the prompt's end, at ``--passkey-lengths``) scored by exact match by the untrained backbone with
+   full attention and by FedNL's ablation (memory off) with each softmax window of
+   ``--passkey-windows`` plus ``--passkey-sink`` sinks; per length and by the key's distance.
 
 Targets from the issue: FedNL's peak memory grows <= 1.1x from the first to the last
 memory length; FedNL trains at >= 0.9x plain LoRA's tokens/s (issue #15; 0.7x before it). ``--write-docs`` puts the

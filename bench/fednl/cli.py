@@ -16,12 +16,15 @@ from .docs import plots, render, write_docs
 from .lm import section_lm
 from .mmlu import mmlu_from, mmlu_paired, save_items, section_mmlu
 from .niah import niah_from, section_niah
+from .passkey import add_arguments as passkey_arguments
+from .passkey import finish_args as passkey_finish
+from .passkey import passkey_lines, section_passkey
 from .report import report, section_times
 from .runs import MODULE, ROOT, log
 from .stream import section_stream, stream_worker
 from .throughput import section_throughput
 
-SECTIONS = ("mmlu", "niah", "lm", "stream", "throughput")
+SECTIONS = ("mmlu", "niah", "lm", "stream", "throughput", "passkey")
 ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate",
               "fednl:ablate")
 NIAH_ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
@@ -91,6 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--lm-steps", type=int, default=10, help="lm: local steps per round (batches of 2 windows)")
     p.add_argument("--lm-algorithms", default=",".join(LM_ALGORITHMS),
                    help="lm: FedNL, its ablation (the same window and sinks, memory off), fedavg-lora (full attention)")
+    passkey_arguments(p)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of in-process measurements")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench-fednl"), help="folder for run folders and results")
@@ -109,6 +113,7 @@ def parse_args(argv=None):
         args.stream_length, args.memory_lengths, args.block = 2048, "512,1024,2048", 128
         args.throughput_steps, args.throughput_seq = 1, 128
         args.lm_rounds, args.lm_steps, args.lm_seq, args.lm_window = 1, 1, 64, 16
+    passkey_finish(p, args)
     if not 0 <= args.margin < 1:
         p.error(f"--margin must be a fraction in [0, 1), got {args.margin}")
     if args.mmlu_test < 1:
@@ -211,6 +216,8 @@ def main(argv=None) -> None:
                 results["stream"] = section_stream(args, out, results["niah"])
         elif section == "lm":
             results["lm"] = section_lm(args, out)
+        elif section == "passkey":
+            results["passkey"] = section_passkey(args, out)
         else:
             results["throughput"] = section_throughput(args)
         timings[section] = time.time() - t0
@@ -218,6 +225,7 @@ def main(argv=None) -> None:
     results["seconds"] = time.time() - start
     results["section_seconds"] = timings
     text = report(args, results, command)
+    text += passkey_lines(results.get("passkey"))
     text += section_times(timings)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "fednl-bench.md").write_text(text)
