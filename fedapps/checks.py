@@ -80,6 +80,7 @@ def validate(cfg: DictConfig) -> None:
                           "pretrain it from a random init on the task's public split")
     _check_base(cfg)
     _check_text_task(cfg)
+    _check_passkey_task(cfg)
     allowed = cfg.algorithm.get("models")
     if allowed and kind not in allowed:
         raise ConfigError(f"algorithm '{cfg.algorithm.name}' runs on {' or '.join(map(str, allowed))} models, but "
@@ -136,6 +137,22 @@ def _check_base(cfg: DictConfig) -> None:
             raise ConfigError(f"base.{key} must be an integer >= 1, got {value!r}")
     if not isinstance(cfg.base.get("lr"), (int, float)) or cfg.base.lr <= 0:
         raise ConfigError(f"base.lr must be a number > 0, got {cfg.base.get('lr')!r}")
+
+
+def _check_passkey_task(cfg: DictConfig) -> None:
+    """``kind: passkey`` (``task=passkey``): its settings, FedNL's window against its lengths and the key's
+    distance (clients.tasks.passkey.task_settings), when the config is composed."""
+    if cfg.task.kind != "passkey":
+        return
+    from clients.tasks.base import TaskError
+    from clients.tasks.passkey import task_settings
+
+    if cfg.model.kind != "causal_lm":
+        raise ConfigError(f"task 'passkey' needs a causal LM, but model '{cfg.model.name}' is {cfg.model.kind}")
+    try:
+        task_settings(cfg)
+    except TaskError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_text_task(cfg: DictConfig) -> None:
