@@ -22,7 +22,10 @@ def client_model():
 
 @pytest.mark.parametrize("algorithm", ["fedavg-lora", "fednl", "flite", "smartfed"])
 def test_the_frozen_backbone_is_bf16_what_trains_is_fp32_and_the_round_learns(algorithm, tmp_path):
-    overrides = ["train.frozen_bf16=true", "train.local_steps=3", "train.lr=3e-3"]
+    # small (bf16 matmuls are emulated on most CPUs: the 49,152-token LM head dominates): 2 steps of 2 x 32 tokens,
+    # one evaluation batch of 4
+    overrides = ["train.frozen_bf16=true", "train.local_steps=2", "train.batch_size=2", "train.lr=3e-3",
+                 "eval.batch_size=4", "eval.max_batches=1"]
     overrides += pool_overrides(algorithm, tmp_path)
     cfg = compose(overrides, algorithm=algorithm, preset="test")
     strategy = registry.get(algorithm).plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
