@@ -303,8 +303,8 @@ def test_a_latent_downlink_is_refused_for_methods_whose_clients_do_not_replay_it
 def test_fedavg_lora_learns_with_latents_both_ways():
     """channel.downlink=latent: 648 B up, r × 648 B down, and the held-out loss falls every round (the
     evaluating clients replay the history, as the training ones do)."""
-    cfg = compose(["channel.rank=128", "channel.downlink=latent", "train.lr=3e-3"], preset="test",
-                  algorithm="fedavg-lora", channel="latent")
+    cfg = compose(["channel.rank=128", "channel.downlink=latent", "train.lr=3e-3", "train.local_steps=4"],
+                  preset="test", algorithm="fedavg-lora", channel="latent")
     strategy = registry.get("fedavg-lora").plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
     nodes = {1: context(1), 2: context(2)}
 
