@@ -29,7 +29,7 @@ WARM ?= 1
 
 help:
 	@echo "make demo    - set up, then FedAvg-LoRA, FedNL, FLITE and SmartFed on SmolLM2 via 'flwr run .' (10-18 min on 2 CPU cores), one table"
-	@echo "make test    - set up, then run the test suite"
+	@echo "make test    - set up, then run the test suite (two pytest workers; TEST_WORKERS=0: one process)"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run every benchmark script (bench/, ~10 h on 2 cores), then write docs/benchmarks.md"
 	@echo "make deploy-local - a gated SuperLink (TLS, node auth; Fleet alone on 127.0.0.2, Control on 127.0.0.1) + $(DEPLOY_NODES) SuperNodes, one 'flwr run', all stopped (WARM=0: stock Flower, a process per message)"
@@ -88,11 +88,16 @@ deploy-local: assets
 stop-superlink:
 	$(PY) -m postcard.superlink stop "$(FLWR_HOME)"
 
+# two pytest workers (pytest-xdist): one module per worker at a time, every Ray-starting test in one
+# of them (tests/conftest.py, xdist_group); TEST_WORKERS=0 runs everything in one process
+TEST_WORKERS ?= 2
+TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: assets
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TEST_ARGS)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(TEST_ARGS)
 
 # the deployment tests with every algorithm through the TLS cluster (make test sends FedNL, and SmartFed in the fault scenario)
 test-deploy-all: assets

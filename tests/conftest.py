@@ -30,6 +30,19 @@ def pytest_collection_modifyitems(config, items):
     if marked and not cifar10_available():
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=NEEDS_CIFAR10))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+
+
+def xdist_group(item) -> str:
+    """Where `make test` (pytest-xdist, ``-n 2 --dist loadgroup``) runs a test. A module's tests stay
+    together (module fixtures: a TLS cluster, a model are built once); every test that starts Ray
+    (marked ``ray``, or reading the session's pool, built through Ray) runs in one worker, one after
+    the other: `flwr run`'s simulation calls ``ray.init()`` without an address, which joins a Ray
+    cluster another test has up (test_app_run's two-node cluster) instead of starting its own."""
+    if item.get_closest_marker("ray") or "tiny_llama_pool" in getattr(item, "fixturenames", ()):
+        return "ray"
+    return item.nodeid.split("::", 1)[0]
 
 
 # the demo's SmartFed pool sources (postcard.demo.POOL_SOURCES): plays the shakespeare task does not use

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_demo_runs_all_four_methods_and_compares_them(tmp_path, tiny_llama_pool):
     shutil.copytree(tiny_llama_pool[0], tmp_path / "pool")  # the two demo sources, pooled already
     flwr_home = tmp_path / "flwr-home"

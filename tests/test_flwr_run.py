@@ -16,7 +16,7 @@ from postcard.deploy import flower_env
 from postcard.superlink import stop as stop_superlinks
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def flwr_run(tmp_path, run_config: str, supernodes: int = 2, timeout: int = 900):

@@ -22,7 +22,7 @@ import pytest
 
 from fedapps.outputs import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def check_run(summary: dict) -> None:
