@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import onboarding  # noqa: E402
+from conftest import SMARTFED_SOURCES  # noqa: E402
 
 
 def run(ppl, per_round):
@@ -50,20 +51,25 @@ def test_report_counts_unreached_seeds_and_pairs_only_seeds_both_reached():
 
 
 @pytest.mark.slow
-def test_the_onboarding_recipe_runs_end_to_end_on_a_tiny_model(tmp_path):
+def test_the_onboarding_recipe_runs_end_to_end_on_a_tiny_model(tmp_path, tiny_llama_pool):
     """The recipe of docs/smartfed.md, automated: a pool filled by a LoRA run on other plays
     (`postcard pool build` = `pool add` of finished runs), then the new plays learned by
     SmartFed from that pool and by FedAvg-LoRA from scratch; a pool holding the target's
-    plays is refused before anything trains."""
+    plays is refused before anything trains. The pool is a copy of the session's
+    (conftest.tiny_llama_pool, built by `postcard pool build`), which holds the two sources asked for:
+    the recipe's build step finds it pooled and trains nothing (#40: one Ray run fewer)."""
     import json
+    import shutil
 
-    out, runs = tmp_path / "report", tmp_path / "runs"
+    out, runs, pool = tmp_path / "report", tmp_path / "runs", tmp_path / "pool"
+    shutil.copytree(tiny_llama_pool[0], pool)
     tiny = ["--model", "tiny-llama", "--seeds", "1", "--rounds", "1", "--steps", "2", "--eval-batches", "1",
-            "--pool-sources", "shakespeare-histories", "--pool-rounds", "1", "--pool-steps", "1",
-            "--runs-dir", str(runs)]
+            "--pool-sources", ",".join(SMARTFED_SOURCES), "--pool-rounds", "1", "--pool-steps", "1",
+            "--pool", str(pool), "--runs-dir", str(runs)]
     assert onboarding.main([*tiny, "--out", str(out)]) == 0
     result = json.loads((out / "onboarding.json").read_text())
-    assert result["pool_adapters"] == ["shakespeare-histories"] and result["metric"] == "perplexity"
+    assert sorted(result["pool_adapters"]) == sorted(SMARTFED_SOURCES) and result["metric"] == "perplexity"
+    assert not [p for p in runs.iterdir() if "onboarding" not in p.name]  # the pool's sources not built again
     runs_42 = result["seeds"]["42"]
     for method in ("fedavg-lora", "smartfed"):
         assert sorted(runs_42[method]["metric_by_round"], key=int) == ["0", "1"]
