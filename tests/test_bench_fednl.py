@@ -277,3 +277,25 @@ def test_passkey_bounds_score_the_same_prompts_with_full_attention_and_each_wind
         with pytest.raises(SystemExit):
             parse_args(["--sections", "passkey", *bad])
     assert "--passkey-min-distance (160) must exceed every window (200)" in capsys.readouterr().err
+
+
+def test_throughput_times_both_memory_heads_and_reports_the_ratio_with_its_spread(capsys):
+    assert parse_args([]).throughput_memory_heads == ["query", "kv"]
+    assert parse_args(["--throughput-memory-heads", "kv"]).throughput_memory_heads == ["kv"]
+    with pytest.raises(SystemExit):
+        parse_args(["--throughput-memory-heads", "query,heads"])
+    assert "--throughput-memory-heads" in capsys.readouterr().err
+    ratio = {"mean": 0.95, "median": 0.96, "min": 0.9, "max": 1.01}
+    tp = {"tokens_per_second": {"fednl": 270.0, "lora-qkv": 290.0, "fednl memory_heads=query": 230.0},
+          "tokens_per_cpu_second": {"fednl": 135.0, "lora-qkv": 145.0, "fednl memory_heads=query": 115.0},
+          "ratio": 270 / 290, "cpu_ratio": 135 / 145, "memory_heads": "kv", "load_average": [[2.0, 1.5, 1.0]] * 2,
+          "ratios": {"fednl": {"wall": ratio, "cpu": ratio}, "fednl memory_heads=query": {"wall": ratio, "cpu": ratio}},
+          "trainable": {"fednl": 700, "lora-qkv": 600, "fednl memory_heads=query": 800},
+          "batch": 2, "seq": 512, "steps": 8, "threads": 2, "chunk_size": 64}
+    text = render_report(parse_args([]), {"throughput": tp}, "cmd")
+    assert "| FedNL, memory_heads=kv (default) | 700 | 270.0 | 135.0 | **0.95x** (0.96, 0.90..1.01) |" in text
+    assert "| FedNL, memory_heads=query | 800 | 230.0 |" in text
+    assert "Load average (1, 5, 15 min) before and after the timed loop: 2.00, 1.50, 1.00 -> 2.00, 1.50, 1.00." in text
+    old = {k: v for k, v in tp.items() if k not in ("ratios", "memory_heads", "load_average")}  # an earlier run's JSON
+    old["tokens_per_second"] = {"fednl": 231.0, "lora-qkv": 287.7}
+    assert "memory heads side by side" not in render_report(parse_args([]), {"throughput": old}, "cmd")

@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--throughput-seq", type=int, default=512)
     p.add_argument("--throughput-chunks", default="",
                    help="comma list of extra chunk sizes of FedNL's training-time delta rule, timed beside the default")
+    p.add_argument("--throughput-memory-heads", default="query,kv",
+                   help="comma list of FedNL's algorithm.memory.memory_heads modes timed side by side (query: one "
+                        "memory per query head, kv: one per key/value head); the default mode is always timed")
     p.add_argument("--throughput-profile", action="store_true",
                    help="also profile one step of FedNL and of plain LoRA (torch.profiler): where FedNL's extra "
                         "time goes, by operator")
@@ -160,6 +163,10 @@ def parse_args(argv=None):
         p.error(f"--throughput-chunks must be a comma list of integers, got {args.throughput_chunks!r}")
     if any(c < 1 for c in args.throughput_chunks):
         p.error("--throughput-chunks must be positive")
+    args.throughput_memory_heads = [m for m in args.throughput_memory_heads.split(",") if m]
+    bad = [m for m in args.throughput_memory_heads if m not in ("query", "kv")]
+    if bad:
+        p.error(f"--throughput-memory-heads: each of query, kv, got {bad}")
     args.memory_lengths = [int(x) for x in args.memory_lengths.split(",")]
     if max(args.memory_lengths) > args.stream_length:
         p.error("--memory-lengths must not exceed --stream-length")

@@ -148,6 +148,31 @@ def report(args, results: dict, command: str) -> str:
                   f"FedNL / plain LoRA = **{tp['ratio']:.2f}x** wall-clock, **{tp['cpu_ratio']:.2f}x** per CPU-second "
                   "(target >= 0.9x: " + ("met" if max(tp["ratio"], tp["cpu_ratio"]) >= 0.9 else "not met")
                   + "; on a shared machine the CPU-time ratio is the steadier one).", ""]
+        heads = [k for k in rates if k.startswith("fednl memory_heads=")]
+        ratios = tp.get("ratios", {})
+        if heads or ratios:
+            default = tp.get("memory_heads", "query")
+            lines += ["FedNL's memory heads side by side (one memory per query head, or per key/value head), "
+                      "timed in the same interleaved loop; the ratio to plain LoRA from the mean step times and, "
+                      "round by round, its median and range:", "",
+                      "| model | trainable values | tokens/s (wall) | tokens per CPU-second | / LoRA wall (median, "
+                      "range) | / LoRA CPU (median, range) |", "|---|---:|---:|---:|---:|---:|"]
+            for key in ["lora-qkv", "fednl", *heads]:
+                name = {"lora-qkv": "plain LoRA q/k/v", "fednl": f"FedNL, memory_heads={default} (default)"}.get(
+                    key, f"FedNL, {key[6:]}")
+                cells = []
+                for which in ("wall", "cpu"):
+                    r = ratios.get(key, {}).get(which)
+                    cells.append("1" if key == "lora-qkv" else
+                                 f"**{r['mean']:.2f}x** ({r['median']:.2f}, {r['min']:.2f}..{r['max']:.2f})" if r else "")
+                lines.append(f"| {name} | {tp['trainable'][key]:,} | {rates[key]:.1f} | {cpu[key]:.1f} | "
+                             f"{cells[0]} | {cells[1]} |")
+            load = tp.get("load_average")
+            if load:
+                lines.append("")
+                lines.append("Load average (1, 5, 15 min) before and after the timed loop: "
+                             + " -> ".join(", ".join(f"{x:.2f}" for x in la) for la in load) + ".")
+            lines.append("")
         chunks = [k for k in rates if k.startswith("fednl chunk")]
         if chunks:
             lines += ["Other chunk sizes of the training-time delta rule, timed in the same loop:", "",

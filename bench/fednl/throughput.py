@@ -9,18 +9,30 @@ from .runs import log
 
 
 def section_throughput(args) -> dict:
+    """Training tokens/s of plain LoRA q/k/v (fedavg-lora on q/k/v, same rank) and FedNL, with its default
+    ``algorithm.memory.memory_heads`` and each other mode of ``--throughput-memory-heads`` (and extra chunk
+    sizes), timed in one interleaved loop: each round runs one step of every model, so load changes on a
+    shared machine hit them alike; the ratio to LoRA is also taken round by round (median and range)."""
+    import os
+    import statistics
+
     import torch
 
     from fedapps import baselines, fednl
     from fedapps.config import compose
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     base = [f"model={args.model}", f"seed={args.seed}"]
     fednl_cfg = compose(base, algorithm="fednl", task="mmlu")
     lora_cfg = compose([*base, "algorithm.lora.target_modules=[q_proj,k_proj,v_proj]"], algorithm="fedavg-lora",
                        task="mmlu")
     chunk = int(fednl_cfg.algorithm.memory.chunk_size)
+    heads = str(fednl_cfg.algorithm.memory.get("memory_heads", "query"))
     models = {"fednl": fednl.prepare(fednl_cfg)[0], "lora-qkv": baselines.prepare(lora_cfg)[0]}
+    for mode in (m for m in getattr(args, "throughput_memory_heads", []) if m != heads):
+        cfg = compose([*base, f"algorithm.memory.memory_heads={mode}"], algorithm="fednl", task="mmlu")
+        models[f"fednl memory_heads={mode}"] = fednl.prepare(cfg)[0]
     for extra in (c for c in args.throughput_chunks if c != chunk):
         cfg = compose([*base, f"algorithm.memory.chunk_size={extra}"], algorithm="fednl", task="mmlu")
         models[f"fednl chunk {extra}"] = fednl.prepare(cfg)[0]
@@ -42,17 +54,36 @@ def section_throughput(args) -> dict:
 
     for key in models:  # warm-up
         step(key)
+    log(f"throughput: {len(models)} models warm, timing {args.throughput_steps} interleaved rounds")
     times = {k: [] for k in models}
-    for _ in range(args.throughput_steps):  # interleaved, so load changes hit both alike
-        for key in models:
+    order = list(models)
+    for repeat in range(args.throughput_steps):  # interleaved, so load changes hit every model alike
+        for key in (order if repeat % 2 == 0 else order[::-1]):  # and alternating the order within a round
             times[key].append(step(key))
+        log(f"throughput round {repeat + 1}/{args.throughput_steps}: wall s per step "
+            + ", ".join(f"{k} {v[-1][0]:.2f}" for k, v in times.items()) + f"; load average {os.getloadavg()[0]:.2f}")
+    load_after = os.getloadavg()
     tokens = args.throughput_batch * args.throughput_seq
     # wall-clock tokens/s, and tokens per CPU-second (robust to other load on a shared machine)
     rates = {k: tokens / (sum(w for w, _ in v) / len(v)) for k, v in times.items()}
     cpu_rates = {k: tokens / (sum(c for _, c in v) / len(v)) for k, v in times.items()}
-    log(f"throughput: wall {rates}, per CPU-second {cpu_rates}")
+
+    def per_round(key: str, which: int) -> list[float]:  # LoRA's step time / this model's, round by round
+        return [lo[which] / mine[which] for lo, mine in zip(times["lora-qkv"], times[key])]
+
+    ratios = {}
+    for key in (k for k in models if k != "lora-qkv"):
+        ratios[key] = {name: {"mean": (rates if which == 0 else cpu_rates)[key]
+                              / (rates if which == 0 else cpu_rates)["lora-qkv"],
+                              "median": statistics.median(per_round(key, which)),
+                              "min": min(per_round(key, which)), "max": max(per_round(key, which))}
+                       for which, name in ((0, "wall"), (1, "cpu"))}
+    log(f"throughput: wall {rates}, per CPU-second {cpu_rates}, ratios to lora-qkv {ratios}, "
+        f"load average {load_before} -> {load_after}")
     result = {"tokens_per_second": rates, "ratio": rates["fednl"] / rates["lora-qkv"],
               "tokens_per_cpu_second": cpu_rates, "cpu_ratio": cpu_rates["fednl"] / cpu_rates["lora-qkv"],
+              "ratios": ratios, "memory_heads": heads, "load_average": [list(load_before), list(load_after)],
+              "step_seconds": {k: [list(x) for x in v] for k, v in times.items()},
               "batch": args.throughput_batch, "seq": args.throughput_seq, "steps": args.throughput_steps,
               "chunk_size": chunk, "threads": args.threads,
               "trainable": {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()}}

@@ -278,12 +278,11 @@ def delta_rule_chunked(
             u_true = torch.baddbmm(u_c, w_c, state_t, alpha=-1.0)  # what each token of the chunk really writes
             outputs.append(torch.baddbmm(torch.bmm(q_c, state_t), intra_c, u_true))
             state_t = torch.baddbmm(state_t, k_c.transpose(1, 2), u_true)
-        o = torch.stack(outputs, dim=1)  # (B*H, chunks, G*C, d_v)
         if groups == 1:
-            o = o.reshape(batch, heads, chunks * size, d_v)
-        else:
-            o = o.view(batch, heads, chunks, groups, size, d_v).transpose(2, 3)
-            o = o.reshape(batch, heads * groups, chunks * size, d_v)
+            o = torch.stack(outputs, dim=1).reshape(batch, heads, chunks * size, d_v)
+        else:  # stacked straight into (B, KV, G, chunks, C, d_v): the query heads' layout, no second copy
+            o = torch.stack([x.view(batch, heads, groups, size, d_v) for x in outputs], dim=3)
+            o = o.view(batch, heads * groups, chunks * size, d_v)
         return o[:, :, :length].to(out_dtype), state_t.transpose(1, 2).reshape(batch, heads, d_v, d_k)
 
 
