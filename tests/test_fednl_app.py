@@ -37,7 +37,8 @@ torch.set_num_threads(1)
 
 # tiny-llama: 2 layers, hidden 64, 4 heads of 16, 2 KV heads; LoRA r=8 on q, k, v
 LAYERS, HIDDEN, HEADS, KV_DIM, R = 2, 64, 4, 32, 8
-GATE_THETA = LAYERS * (1 + HEADS * HIDDEN + HEADS)  # gate logit + β weight and bias, per layer
+MEMORY_HEADS = 2  # algorithm.memory.memory_heads=kv (the default): one memory and one β per KV head
+GATE_THETA = LAYERS * (1 + MEMORY_HEADS * HIDDEN + MEMORY_HEADS)  # gate logit + β weight and bias, per layer
 LORA_THETA = LAYERS * (R * HIDDEN + HIDDEN * R + 2 * (R * HIDDEN + KV_DIM * R))  # q, k, v: A and B
 
 

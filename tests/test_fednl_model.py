@@ -223,9 +223,9 @@ def test_streaming_state_does_not_grow_with_context(llama):
             pass
         sizes[length] = streamer.state_bytes()
         assert streamer.position == length
-    # per layer: memory (1 x 4 heads x 16 x 16) + sink and window keys and values (1 x 2 kv heads x (4 + 64) x 16),
-    # float32
-    per_layer = 4 * (4 * 16 * 16 + 2 * (2 * (4 + window) * 16))
+    # per layer: memory (1 x 2 kv heads x 16 x 16: memory_heads=kv) + sink and window keys and values
+    # (1 x 2 kv heads x (4 + 64) x 16), float32
+    per_layer = 4 * (2 * 16 * 16 + 2 * (2 * (4 + window) * 16))
     assert sizes[1024] == sizes[4096] == 2 * per_layer
 
 

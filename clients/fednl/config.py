@@ -24,9 +24,9 @@ class FedNLConfig:
     beta_init_logit: float = 0.0  # b at init (W starts at zero): beta = 0.5
     qk_activation: str = "silu"  # applied to q, k before L2 normalisation in the memory path
     use_fla: bool | None = None  # fla's CUDA kernel: None = when usable, True = required, False = never
-    # "query": one memory (and one beta) per query head, k/v repeated to the query heads (GQA);
-    # "kv": one memory (and one beta) per key/value head, read by each of its query heads
-    memory_heads: str = "query"
+    # "kv": one memory (and one beta) per key/value head, read by each of its query heads (the default since
+    # #44: the write path on a third of SmolLM2's heads); "query": one per query head, k/v repeated to them
+    memory_heads: str = "kv"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
