@@ -20,7 +20,11 @@ contraction (pass ``qk_l2norm=True`` to normalise q and k here). Two exact forms
 Both agree to float tolerance (``tests/test_deltarule.py``). Shapes follow the HF
 attention layout: q, k ``(batch, heads, T, d_k)``, v ``(batch, heads, T, d_v)``, beta
 ``(batch, heads, T)``; the state is ``(batch, heads, d_v, d_k)`` so that ``o = S q``
-(flash-linear-attention stores the transpose, ``d_k x d_v``).
+(flash-linear-attention stores the transpose, ``d_k x d_v``). Grouped heads (GQA, FedNL's
+``memory_heads="kv"``): q may have G times k's heads, ``(batch, heads * G, T, d_k)``; then
+k, v, beta and the state keep ``heads`` (one memory per key/value head, written once) and
+query head ``h`` reads memory ``h // G``: the same result as repeating k, v, beta and the
+state to the query heads (HF's ``repeat_kv`` order), which stays the reference.
 
 Arithmetic is float32 (half-precision inputs are upcast); outputs come back in q's dtype
 and the state in float32. On CUDA, with ``flash-linear-attention`` installed and

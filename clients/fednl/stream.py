@@ -78,9 +78,9 @@ class BlockStreamer(ABC):
 class FedNLStreamer(BlockStreamer):
     """Runs a FedNL model over an arbitrarily long token stream, block by block.
 
-    Each layer carries (a) its delta-memory state, ``(batch, heads, d_v, d_k)``, and
-    (b) a KV cache of at most ``sink + window`` tokens for the softmax path, so with a window
-    the carried state, and the peak memory of a block, do not grow with the context.
+    Each layer carries (a) its delta-memory state, ``(batch, memory heads, d_v, d_k)`` (the
+    key/value heads with ``memory_heads="kv"``, the query heads with ``"query"``), and (b) a KV
+    cache of at most ``sink + window`` tokens for the softmax path, so with a window the carried state, and the peak memory of a block, do not grow with the context.
     (``window=None`` keeps the whole KV cache: exact full attention, growing memory.)
     Sequences in a batch advance together; padding is not supported here.
 
