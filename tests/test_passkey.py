@@ -18,8 +18,15 @@ SMALL = ["task.train_per_filler=2", "task.test_per_filler=2", "task.train_length
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_model(compose(SMALL, preset="test", task="passkey", algorithm="fedavg-lora"))[1]
+def tiny():
+    """(config, tiny random-init Llama, SmolLM2's tokenizer), built once for the module."""
+    cfg = compose(SMALL, preset="test", task="passkey", algorithm="fedavg-lora")
+    return (cfg, *build_model(cfg))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return tiny[2]
 
 
 @pytest.mark.parametrize("filler", ["grass", "shakespeare"])
@@ -66,9 +73,8 @@ def test_exact_match_on_hand_made_logits():
         exact_match(logits, torch.full((2, 7), -100))
 
 
-def test_the_loss_is_on_the_answer_tokens_only_and_evaluation_reports_accuracy_per_length():
-    cfg = compose(SMALL, preset="test", task="passkey", algorithm="fedavg-lora")
-    model, tokenizer = build_model(cfg)
+def test_the_loss_is_on_the_answer_tokens_only_and_evaluation_reports_accuracy_per_length(tiny):
+    cfg, model, tokenizer = tiny
     task = make_task(cfg, 0, 2, tokenizer)
     assert task.client_fillers == ["grass"] and task.num_train == 2 and task.num_test == 2
     assert make_task(cfg, 1, 2, tokenizer).client_fillers == ["shakespeare"]  # natural split: one filler each
