@@ -24,6 +24,10 @@ How it keeps the cold path's behaviour (docs/deploy.md §9):
   fresh state) with a log line; a process that dies is started again by the supervisor
   (the worker's main process), and the message it held expires on the SuperNode as a killed
   ``flwr-clientapp``'s does;
+* a task whose message objects never arrive on the SuperNode (a pull it gave up after a SuperLink
+  restart, "Ignoring message") is dropped, without a reply, once a newer task is pending: Flower's
+  SuperExec would start the newer one beside it, this worker serves one task at a time
+  (:meth:`Server.superseded`);
 * the task heartbeat is sent here: Flower's (``flwr/supercore/heartbeat.py``) raises SIGINT in
   the process when the SuperNode rejects one (a stopped run); here the message's reply is
   dropped and so is the run's cache, and the worker lives on.
@@ -50,6 +54,7 @@ FLWR_VERSION = "1.42.0"  # the Flower whose internals this module uses (see the 
 STARTED = time.time()  # when this program started (a re-execution keeps the pid, not this)
 PRELOAD = "torch,transformers,peft"  # what every Postcard ClientApp imports: ready before the first message
 RELOAD_EXIT = 3  # the serving process ends itself so that its supervisor starts a fresh one
+SUPERSEDED_CHECK = 2.0  # seconds between looks for a newer task while a message's objects are missing
 
 
 def _log(text: str) -> None:
@@ -108,6 +113,28 @@ class Heartbeat:
         self._thread.join(timeout=10)
 
 
+class Superseded(Exception):
+    """A task's message objects never arrived on the SuperNode, and a newer task is pending."""
+
+
+class PullGuard:
+    """The task's Runtime API client for ``pull_task_input``: a message object that is not
+    available asks ``superseded()`` whether to give the task up (:meth:`Server.superseded`)."""
+
+    def __init__(self, client, superseded) -> None:
+        self._client, self._superseded = client, superseded
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def PullObject(self, request):  # noqa: N802  (the Runtime API's name)
+        res = self._client.PullObject(request)
+        if res.object_found and not res.object_available and self._superseded():
+            raise Superseded(f"the objects of this task's message never arrived on the SuperNode "
+                             f"(object {request.object_id[:12]}), and a newer task is pending: task dropped")
+        return res
+
+
 class Server:
     """The serving process: polls the SuperNode for ClientApp tasks and runs them here."""
 
@@ -117,6 +144,10 @@ class Server:
         self.run_id: int | None = None
         self.served = 0
         self.restart = False  # set when this process must not serve another message
+        self.poller = None  # the client that acquires tasks (no task token)
+        self.next_task = None  # (token, task): a task claimed while another one's message never arrived
+        self._lock = threading.Lock()
+        self._checked = float("-inf")
 
     def client(self, token: str | None = None):
         from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
@@ -133,25 +164,46 @@ class Server:
             root_certificates=validate_and_resolve_root_certificates(self.args.root_certificates, self.args.insecure),
             interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
 
-    def loop(self) -> None:
+    def acquire(self):
+        """A pending ClientApp task of this SuperNode, claimed: ``(token, task)``, or None."""
         from flwr.proto.runtime_pb2 import AcquireTaskRequest
         from flwr.supercore.constant import TaskType
 
+        if self.poller is None:
+            self.poller = self.client()
+        res = self.poller.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+        return (res.token, res.task) if res.HasField("task") and res.token else None
+
+    def loop(self) -> None:
         if self.args.token:  # the task this process was re-executed for
             self.handle(self.args.token, self.args.task_fab, self.args.task_run)
-        poller = self.client()
-        request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
         while True:
-            res = poller.AcquireTask(request)
-            if res.HasField("task") and res.token:
-                task = res.task
+            claimed, self.next_task = self.next_task or self.acquire(), None
+            if claimed:
+                token, task = claimed
                 if self.loaded_fab and task.fab_hash and task.fab_hash != self.loaded_fab:
-                    self.reexec(res.token, task.fab_hash, task.run_id)
-                self.handle(res.token, task.fab_hash, task.run_id)
+                    self.reexec(token, task.fab_hash, task.run_id)
+                self.handle(token, task.fab_hash, task.run_id)
                 if self.restart:
                     sys.exit(RELOAD_EXIT)
             else:
                 time.sleep(self.args.poll)
+
+    def superseded(self) -> bool:
+        """Called while a task's message objects are not available on the SuperNode: True once a
+        newer task is pending there (claimed into :attr:`next_task`). The SuperNode (``flwr/supernode/
+        start_client_internal.py``) receives one message at a time, and creates a message's task
+        before it pulls the message's objects from the SuperLink; it receives the next message only
+        once that pull has ended. So a task whose objects are missing while a newer task exists
+        will never get them: a pull the SuperNode gave up (``RunNotRunningException`` for a run that
+        ended meanwhile, e.g. one whose SuperLink was killed, leaves that task pending). Flower's
+        SuperExec starts the newer task's process beside the stuck one; this worker serves one
+        task at a time, so it drops the stuck one for the newer one."""
+        with self._lock:
+            if self.next_task is None and time.monotonic() - self._checked >= SUPERSEDED_CHECK:
+                self._checked = time.monotonic()
+                self.next_task = self.acquire()
+            return self.next_task is not None
 
     def reexec(self, token: str, fab_hash: str, run_id: int) -> None:
         """A FAB whose code this process has not imported: start over as a new program (same pid)."""
@@ -196,7 +248,7 @@ class Server:
         try:
             with Heartbeat(client) as heartbeat:
                 try:
-                    message, context, run, fab = pull_task_input(client)
+                    message, context, run, fab = pull_task_input(PullGuard(client, self.superseded))
                     if self.loaded_fab and fab.hash_str != self.loaded_fab:  # the task named no FAB hash
                         self.restart = True
                         raise RuntimeError(f"this worker process imported FAB {self.loaded_fab[:12]}, not "

@@ -97,6 +97,72 @@ def test_a_task_of_another_fab_re_executes_the_worker_before_it_runs(monkeypatch
     assert "--loaded-fab" not in argv  # the new program has imported nothing
 
 
+def test_a_task_whose_message_never_arrives_gives_way_to_a_newer_one(monkeypatch):
+    """After a SuperLink restart the SuperNode may give up pulling a message of a run that is no
+    longer running ("Ignoring message"): its task stays pending with the message's objects never
+    available, and the next run's task comes after it. Flower's SuperExec starts the newer task
+    beside the stuck one; the worker, serving one at a time, drops the stuck task (no reply, task
+    failed) and serves the newer one instead of waiting out Flower's 2-hour object pull."""
+    import threading
+    from types import SimpleNamespace
+
+    from flwr.app import Context, RecordDict
+    from flwr.common.serde import context_to_proto, fab_to_proto, run_to_proto
+    from flwr.proto.message_pb2 import Message as MessageProto, ObjectTree, PullObjectResponse
+    from flwr.proto.runtime_pb2 import (AcquireTaskResponse, PullAppMessagesResponse, PullTaskInputResponse,
+                                        PushTaskOutputResponse)
+    from flwr.proto.task_pb2 import Task
+    from flwr.supercore.fab import Fab
+    from flwr.supercore.run import Run
+
+    over = threading.Event()  # ends the stuck pull of an unfixed worker once the test is over
+    stale, new = Task(task_id=1, run_id=11, fab_hash="f" * 64), Task(task_id=2, run_id=22, fab_hash="f" * 64)
+    claims = iter([AcquireTaskResponse(task=stale, token="stale"), AcquireTaskResponse(task=new, token="new")])
+    poller = SimpleNamespace(AcquireTask=lambda request: next(claims, AcquireTaskResponse()))
+    outputs, replies = [], []
+
+    def pull_object(request):
+        if over.is_set():
+            raise RuntimeError("test over")
+        return PullObjectResponse(object_found=True, object_available=False)  # preregistered, never pulled
+
+    run = Run.create_empty(11)
+    run.fab_hash = "f" * 64
+    stale_client = SimpleNamespace(
+        PullTaskInput=lambda request: PullTaskInputResponse(
+            context=context_to_proto(Context(run_id=11, node_id=5, node_config={}, state=RecordDict(),
+                                             run_config={})),
+            run=run_to_proto(run), fab=fab_to_proto(Fab("f" * 64, b"", {})), task_id=1),
+        PullMessages=lambda request: PullAppMessagesResponse(messages_list=[MessageProto()],
+                                                             message_object_trees=[ObjectTree(object_id="ab" * 32)]),
+        PullObject=pull_object, ConfirmMessageReceived=lambda request: None,
+        PushMessages=lambda request: replies.append(request),
+        PushTaskOutput=lambda request: outputs.append(request) or PushTaskOutputResponse(),
+        SendTaskHeartbeat=lambda request: SimpleNamespace(success=True),
+        close=lambda: None)
+    args = worker.build_parser().parse_args(["--runtime-api-address", "127.0.0.1:1", "--insecure", "--serve",
+                                             "--preload", ""])
+    args.base_argv = worker._base_argv(args)
+    server = worker.Server(args)
+    monkeypatch.setattr(server, "client", lambda token=None: poller if token is None else stale_client)
+    handle, served = server.handle, []
+
+    def serve(token, fab_hash, run_id):
+        if token == "new":
+            served.append(run_id)
+            raise SystemExit(0)
+        handle(token, fab_hash, run_id)
+
+    monkeypatch.setattr(server, "handle", serve)
+    thread = threading.Thread(target=lambda: pytest.raises(SystemExit, server.loop), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    over.set()
+    assert not thread.is_alive(), "the worker is still waiting for the stale task's message"
+    assert served == [22] and not replies
+    assert [o.sub_status for o in outputs] == ["failed"] and "newer task" in outputs[0].details
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = LoopbackCluster(tmp_path_factory.mktemp("warm"), nodes=1, warm=True)
