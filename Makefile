@@ -88,10 +88,10 @@ deploy-local: assets
 stop-superlink:
 	$(PY) -m postcard.superlink stop "$(FLWR_HOME)"
 
-# two pytest workers (pytest-xdist): one module per worker at a time, every Ray-starting test in one
-# of them (tests/conftest.py, xdist_group); TEST_WORKERS=0 runs everything in one process
+# two pytest workers (pytest-xdist): a module's tests in one worker; Ray-starting tests one at a time
+# across them (tests/conftest.py, docs/testing.md); TEST_WORKERS=0 runs everything in one process
 TEST_WORKERS ?= 2
-TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: assets
 	$(PY) -m pytest -q $(TEST_ARGS)

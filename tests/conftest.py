@@ -1,3 +1,6 @@
+import contextlib
+import fcntl
+import json
 import os
 
 import pytest
@@ -30,19 +33,38 @@ def pytest_collection_modifyitems(config, items):
     if marked and not cifar10_available():
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=NEEDS_CIFAR10))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
 
 
-def xdist_group(item) -> str:
-    """Where `make test` (pytest-xdist, ``-n 2 --dist loadgroup``) runs a test. A module's tests stay
-    together (module fixtures: a TLS cluster, a model are built once); every test that starts Ray
-    (marked ``ray``, or reading the session's pool, built through Ray) runs in one worker, one after
-    the other: `flwr run`'s simulation calls ``ray.init()`` without an address, which joins a Ray
-    cluster another test has up (test_app_run's two-node cluster) instead of starting its own."""
-    if item.get_closest_marker("ray") or "tiny_llama_pool" in getattr(item, "fixturenames", ()):
-        return "ray"
-    return item.nodeid.split("::", 1)[0]
+# `make test` runs two pytest workers (pytest-xdist, --dist loadfile: a module's tests in one worker, so
+# its module fixtures are built once). What the workers must not do at the same time is held by a lock
+# they share (docs/testing.md, "Two workers").
+@contextlib.contextmanager
+def across_workers(tmp_path_factory, name: str):
+    """Hold the lock ``name`` shared by this session's xdist workers; yields the folder they share
+    (this session's base temporary folder when there is one process, nothing to lock)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield tmp_path_factory.getbasetemp()
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # the workers' base folders lie side by side in it
+    with open(shared / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield shared
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def one_ray_test_at_a_time(request, tmp_path_factory):
+    """Tests marked ``ray`` (a `flwr run` simulation, a Ray cluster) run one at a time across the
+    workers: `flwr run`'s simulation calls ``ray.init()`` without an address, which joins a Ray cluster
+    another test has up (test_app_run's two-node cluster) instead of starting its own.
+    (``fedapps.simulation.simulate`` asks for a local instance of its own and needs no lock.)"""
+    if request.node.get_closest_marker("ray") is None:
+        yield
+        return
+    with across_workers(tmp_path_factory, "ray"):
+        yield
 
 
 # the demo's SmartFed pool sources (postcard.demo.POOL_SOURCES): plays the shakespeare task does not use
@@ -58,11 +80,16 @@ def tiny_llama_pool(tmp_path_factory):
     of runs; its build step is checked without them in test_demo)."""
     from postcard import pool as pool_cli
 
-    root = tmp_path_factory.mktemp("smartfed")
-    pool = root / "pool"
-    added = pool_cli.build(SMARTFED_SOURCES, ["preset=test", "rounds=1", "train.local_steps=2", "eval.max_batches=1",
-                                              f"output_dir={root / 'runs'}"], pool=pool)
-    return pool, added, root
+    with across_workers(tmp_path_factory, "smartfed-pool") as shared:  # built once, whichever worker asks first
+        root = shared / "smartfed"
+        pool, built = root / "pool", root / "added.json"
+        if built.is_file():
+            return pool, json.loads(built.read_text()), root
+        root.mkdir(exist_ok=True)
+        added = pool_cli.build(SMARTFED_SOURCES, ["preset=test", "rounds=1", "train.local_steps=2",
+                                                  "eval.max_batches=1", f"output_dir={root / 'runs'}"], pool=pool)
+        built.write_text(json.dumps(added))
+        return pool, added, root
 
 
 @pytest.fixture
