@@ -1,6 +1,7 @@
 """FedNL with one memory per key/value head (``memory_heads="kv"``) on a tiny GQA Llama (4 query heads,
 2 key/value heads): the same model as one memory per query head whose β is repeated within each group,
-and streaming, generation with the cache and padding work as they do per query head."""
+and streaming works as it does per query head (generation with the cache and padding: test_fednl_model's
+tests, run in both modes)."""
 
 import copy
 
@@ -63,32 +64,6 @@ def test_kv_streaming_in_blocks_equals_one_full_forward(llama, window):
     streamer.step(ids[:, :10])
     memory = streamer.states[0].memory
     assert isinstance(streamer.states[0], LayerStream) and memory.shape == (2, 2, 16, 16)  # (B, KV, d_v, d_k)
-
-
-@pytest.mark.parametrize("window", [None, 8])
-def test_kv_generate_with_cache_matches_recomputing_from_scratch(llama, window):
-    model = with_memory(llama, memory_heads="kv", chunk_size=8, window=window)
-    prompt = tokens(1, 21)
-    with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
-        ids = prompt
-        for _ in range(5):
-            next_id = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, next_id], dim=1)
-    assert torch.equal(generated, ids)
-
-
-def test_kv_padding_never_writes_to_the_memory(llama):
-    model = with_memory(llama, memory_heads="kv")
-    ids = tokens(1, 30)
-    padded = torch.cat([torch.zeros(1, 9, dtype=torch.long), ids], dim=1)
-    mask = torch.cat([torch.zeros(1, 9, dtype=torch.long), torch.ones_like(ids)], dim=1)
-    with torch.no_grad():
-        alone = model(ids).logits
-        batched = model(padded, attention_mask=mask).logits[:, 9:]
-        ones = model(ids, attention_mask=torch.ones_like(ids)).logits  # an all-ones mask: nothing masked
-    assert (alone - batched).abs().max() <= 1e-4
-    assert torch.equal(alone, ones)
 
 
 def test_a_bad_memory_heads_fails_when_the_config_is_composed():

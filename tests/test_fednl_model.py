@@ -230,9 +230,10 @@ def test_streaming_state_does_not_grow_with_context(llama):
 
 
 # --------------------------------------------------------------------------- generation with the HF cache
+@pytest.mark.parametrize("memory_heads", ["kv", "query"])
 @pytest.mark.parametrize("window", [None, 8])  # 8: the cached steps see the 4 sinks and the last 8 tokens
-def test_generate_with_cache_matches_recomputing_from_scratch(llama, window):
-    model = with_memory(llama, chunk_size=8, window=window)
+def test_generate_with_cache_matches_recomputing_from_scratch(llama, window, memory_heads):
+    model = with_memory(llama, chunk_size=8, window=window, memory_heads=memory_heads)
     prompt = tokens(1, 21)
     with torch.no_grad():
         generated = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
@@ -243,15 +244,18 @@ def test_generate_with_cache_matches_recomputing_from_scratch(llama, window):
     assert torch.equal(generated, ids)
 
 
-def test_padding_never_writes_to_the_memory(llama):
-    model = with_memory(llama)
+@pytest.mark.parametrize("memory_heads", ["kv", "query"])
+def test_padding_never_writes_to_the_memory(llama, memory_heads):
+    model = with_memory(llama, memory_heads=memory_heads)
     ids = tokens(1, 30)
     padded = torch.cat([torch.zeros(1, 9, dtype=torch.long), ids], dim=1)
     mask = torch.cat([torch.zeros(1, 9, dtype=torch.long), torch.ones_like(ids)], dim=1)
     with torch.no_grad():
         alone = model(ids).logits
         batched = model(padded, attention_mask=mask).logits[:, 9:]
+        ones = model(ids, attention_mask=torch.ones_like(ids)).logits  # an all-ones mask: nothing masked
     assert (alone - batched).abs().max() <= 1e-4
+    assert torch.equal(alone, ones)
 
 
 # --------------------------------------------------------------------------- configuration errors
