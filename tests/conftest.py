@@ -33,10 +33,6 @@ def pytest_collection_modifyitems(config, items):
     if marked and not cifar10_available():
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=NEEDS_CIFAR10))
-    # the modules holding slow tests first (a stable sort: each module's tests stay together and in
-    # order): `make test`'s two workers start the long ones early and the fast ones fill in at the end
-    slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)
 
 
 # `make test` runs two pytest workers (pytest-xdist, --dist loadfile: a module's tests in one worker, so
