@@ -352,6 +352,24 @@ def _question_block(question: str, choices: Sequence[str]) -> str:
     return f"\n\nQuestion: {question}\n{options}\nAnswer:"
 
 
+def fit_to_length(build: Callable[[int], tuple], budget: int, length_tokens: int, what: str) -> tuple:
+    """The longest of up to 8 prompts ``build(filler_budget) -> (num_tokens, ...)`` that fits in
+    ``length_tokens``. Token counts of pieces need not add up to the count of the whole (BPE merges,
+    rounding): the filler budget moves by each miss until the prompt fits snugly."""
+    best = None
+    for _ in range(8):
+        built = build(budget)
+        num_tokens = built[0]
+        if num_tokens <= length_tokens and (best is None or num_tokens > best[0]):
+            best = built
+        if num_tokens == length_tokens:
+            break
+        budget += length_tokens - num_tokens
+    if best is None:
+        raise RuntimeError(f"could not fit the {what} prompt into {length_tokens} tokens")
+    return best
+
+
 def _take_filler(start: int, budget: int, count: CountTokens,
                  units: Sequence[str] | None = None) -> tuple[list[str], list[int]]:
     """Consecutive units from ``start`` (wrapping around ``units``, by default the plays' filler
@@ -451,22 +469,13 @@ def make_example(template: str, length_tokens: int, rng: random.Random | int, to
             f"length_tokens={length_tokens} is too short for template {template!r}: header, needles and "
             f"question alone take {fixed} tokens; use at least {fixed + 2 * sum(needle_sizes)}"
         )
-    # Token counts of pieces need not add up to the count of the whole (BPE merges,
-    # rounding): move the filler budget by the miss until the prompt fits snugly.
-    best = None
-    for _ in range(8):
+    def build(budget: int) -> tuple:
         filler, sizes = _take_filler(start, budget, count)
         context, spans = _assemble(filler, sizes, needles, needle_sizes)
         prompt = HEADER + context + block
-        num_tokens = count(prompt)
-        if num_tokens <= length_tokens and (best is None or num_tokens > best[0]):
-            best = (num_tokens, prompt, context, spans)
-        if num_tokens == length_tokens:
-            break
-        budget += length_tokens - num_tokens
-    if best is None:
-        raise RuntimeError(f"could not fit the {template!r} prompt into {length_tokens} tokens")
-    num_tokens, prompt, context, spans = best
+        return count(prompt), prompt, context, spans
+
+    num_tokens, prompt, context, spans = fit_to_length(build, budget, length_tokens, repr(template))
 
     context_tokens = max(count(context), 1)
     depths = [count(context[:s]) / context_tokens for s, _ in spans]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from clients.tasks.base import Task
 
-from clients.tasks.niah import _take_filler, filler_units, token_counter
+from clients.tasks.niah import _take_filler, filler_units, fit_to_length, token_counter
 
 FILLERS = ("grass", "shakespeare")
 SPLITS = ("train", "val", "test")
@@ -100,8 +100,7 @@ def make_example(filler: str, length_tokens: int, rng: random.Random | int | str
         raise ValueError(f"length_tokens={length_tokens} is too short for a passkey prompt with the key "
                          f">= {min_distance} tokens from the end: header, needle and question take {fixed} tokens; "
                          f"use at least {fixed + max(16, min_distance - question_size)}")
-    best = None
-    for _ in range(8):  # token counts of pieces need not add up to the whole's: move the budget by the miss
+    def build(budget: int) -> tuple:
         taken, sizes = _take_filler(start, budget, count, units)
         prefix = [0]
         for size in sizes:
@@ -119,16 +118,10 @@ def make_example(filler: str, length_tokens: int, rng: random.Random | int | str
             num_tokens = count(prompt)
             end = len(HEADER) + len(before) + (1 if before else 0) + len(needle)
             if b == 0 or num_tokens - count(prompt[:end]) >= min_distance:
-                break
+                return num_tokens, prompt, context, before
             b -= 1
-        if num_tokens <= length_tokens and (best is None or num_tokens > best[0]):
-            best = (num_tokens, prompt, context, before)
-        if num_tokens == length_tokens:
-            break
-        budget += length_tokens - num_tokens
-    if best is None:
-        raise RuntimeError(f"could not fit the passkey prompt into {length_tokens} tokens")
-    num_tokens, prompt, context, before = best
+
+    num_tokens, prompt, context, before = fit_to_length(build, budget, length_tokens, "passkey")
     begin = len(HEADER) + len(before) + (1 if before else 0)
     end = begin + len(needle)
     distance = num_tokens - count(prompt[:end])
