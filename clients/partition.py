@@ -121,6 +121,30 @@ def train_test_split(indices: np.ndarray, test_fraction: float, seed: int) -> tu
     return np.sort(shuffled[n_test:]), np.sort(shuffled[:n_test])
 
 
+EVAL_SPLITS = ("test", "val")
+
+
+def held_out_split(indices: np.ndarray, task, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One client's (train, held-out) by the task's ``eval_split``: ``test`` (the default) holds out
+    ``task.test_fraction``; ``val`` keeps that same test share out of everything and carves
+    ``task.val_fraction`` (default: ``test_fraction``) of what is left as a validation split, trained on
+    by nobody and scored instead of the test items, for tuning hyperparameters (docs/benchmarks.md,
+    "Protocol"). The test items are the same under both, so a tuned run never sees them."""
+    which = str(task.get("eval_split", "test") or "test")
+    if which not in EVAL_SPLITS:
+        raise PartitionError(f"task.eval_split must be one of {', '.join(EVAL_SPLITS)}, got {which!r}")
+    fraction = float(task.test_fraction)
+    train, test = train_test_split(indices, fraction, seed=seed)
+    if which == "test":
+        return train, test
+    val_fraction = task.get("val_fraction")
+    val_fraction = fraction if val_fraction is None else float(val_fraction)
+    if not 0.0 < val_fraction < 1.0:
+        raise PartitionError(f"task.val_fraction must be in (0, 1), got {val_fraction}")
+    # its own stream: the validation items do not depend on the test split's draw beyond being outside it
+    return train_test_split(train, val_fraction, seed=seed + 7_919_000)
+
+
 def partition_for(cfg, labels: Sequence, *, num_partitions: int, partition_id: int,
                   natural_order: Sequence[str] | None = None, seed: int | None = None) -> np.ndarray:
     """:func:`partition_indices` with the run's ``partition`` group (method, ``alpha``,

@@ -79,6 +79,7 @@ def validate(cfg: DictConfig) -> None:
                           "(no package ships ResNet-18-GN weights), or model.pretrained=false base=public to "
                           "pretrain it from a random init on the task's public split")
     _check_base(cfg)
+    _check_eval_split(cfg.task)
     _check_text_task(cfg)
     _check_passkey_task(cfg)
     allowed = cfg.algorithm.get("models")
@@ -137,6 +138,20 @@ def _check_base(cfg: DictConfig) -> None:
             raise ConfigError(f"base.{key} must be an integer >= 1, got {value!r}")
     if not isinstance(cfg.base.get("lr"), (int, float)) or cfg.base.lr <= 0:
         raise ConfigError(f"base.lr must be a number > 0, got {cfg.base.get('lr')!r}")
+
+
+def _check_eval_split(task) -> None:
+    """``task.eval_split``: ``test`` scores the test items; ``val`` a validation split carved from the
+    clients' training data (``clients.partition.held_out_split``), for tuning (docs/benchmarks.md). A task
+    without the key (mmlu, niah: their own fixed splits) refuses it as an unknown key."""
+    which = task.get("eval_split", "test")
+    if which not in ("test", "val"):
+        raise ConfigError(f"task.eval_split must be test or val, got {which!r}")
+    fraction = task.get("val_fraction")
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0 < fraction < 1):
+        raise ConfigError(f"task.val_fraction must be null (= task.test_fraction) or a number in (0, 1), "
+                          f"got {fraction!r}")
 
 
 def _check_passkey_task(cfg: DictConfig) -> None:

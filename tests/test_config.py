@@ -100,6 +100,9 @@ def test_run_config_maps_to_groups_and_overrides():
         (dict(algorithm="fednl", overrides="algorithm.memory.window=16 algorithm.memory.sink=-1"),
          "invalid algorithm.memory: sink must be a non-negative int, got -1"),
         (dict(algorithm="flite", overrides="algorithm.flite.split=deep"), "invalid algorithm.flite: .*split must be one of"),
+        (dict(overrides="task.eval_split=train"), "task.eval_split must be test or val, got 'train'"),
+        (dict(overrides="task.eval_split=val task.val_fraction=1.5"), r"task.val_fraction must be null .* in \(0, 1\)"),
+        (dict(task="mmlu", overrides="task.eval_split=val"), "unknown config key 'task.eval_split'"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):

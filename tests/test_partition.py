@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from clients.partition import PartitionError, natural_groups, partition_indices, train_test_split
+from omegaconf import OmegaConf
+
+from clients.partition import PartitionError, held_out_split, natural_groups, partition_indices, train_test_split
 
 LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 10 balanced labels
 
@@ -70,6 +72,22 @@ def test_train_test_split_is_disjoint_and_seeded():
     assert np.array_equal(test, train_test_split(idx, 0.2, seed=3)[1])
     with pytest.raises(PartitionError):
         train_test_split(np.arange(1), 0.2, seed=0)
+
+
+def test_the_validation_split_comes_from_the_training_rows_and_never_touches_the_test_items():
+    """task.eval_split=val (tuning) scores items carved from a client's training rows: the test items are
+    the same as an ordinary run's and appear in neither the training nor the validation split."""
+    idx = np.arange(300, 500)
+    task = OmegaConf.create({"test_fraction": 0.2, "eval_split": "test"})
+    train, test = held_out_split(idx, task, seed=5)
+    assert np.array_equal(test, train_test_split(idx, 0.2, seed=5)[1])
+    fit, val = held_out_split(idx, OmegaConf.merge(task, {"eval_split": "val"}), seed=5)
+    assert not set(val) & set(test) and not set(fit) & set(test) and not set(fit) & set(val)
+    assert sorted({*fit, *val}) == sorted(train) and len(val) == 32  # 20% of the 160 training rows
+    fit, val = held_out_split(idx, OmegaConf.merge(task, {"eval_split": "val", "val_fraction": 0.5}), seed=5)
+    assert len(val) == 80 and not set(val) & set(test)
+    with pytest.raises(PartitionError, match="task.eval_split must be one of test, val, got 'dev'"):
+        held_out_split(idx, OmegaConf.merge(task, {"eval_split": "dev"}), seed=5)
 
 
 def test_natural_gives_each_client_its_whole_groups_in_the_tasks_order_and_nothing_else(capsys):

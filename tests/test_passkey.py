@@ -102,7 +102,7 @@ def test_the_loss_is_on_the_answer_tokens_only_and_evaluation_reports_accuracy_p
     ("task.test_lengths=[48]", "no longer than FedNL's softmax window"),
     ("task.min_distance=32", "inside FedNL's softmax window"),
     ("task.depth=[0.7,0.2]", "task.depth must be"),
-    ("task.eval_split=train", "task.eval_split must be val or test"),
+    ("task.eval_split=train", "task.eval_split must be test or val"),
 ])
 def test_bad_settings_are_refused_clearly(override, match):
     # when the configuration is composed (fedapps.checks), before any client starts

@@ -93,6 +93,18 @@ def test_image_task_partitions_by_dirichlet_label_skew(dataset, size):
     assert batch["x"].shape == (5, 3, size, size) and batch["y"].shape == (5,)
 
 
+def test_a_tuning_run_scores_a_validation_split_and_never_the_test_images():
+    """task.eval_split=val: every client trains on fewer rows and scores ones carved from its training
+    split; the test images of an ordinary run are in neither (docs/benchmarks.md, Protocol)."""
+    cfg = compose(["model=tiny-cnn"], task="fmnist", algorithm="fedavg-full")
+    tuned = compose(["model=tiny-cnn", "task.eval_split=val"], task="fmnist", algorithm="fedavg-full")
+    for i in range(2):
+        ordinary, tuning = make_task(cfg, i, 4), make_task(tuned, i, 4)
+        assert not set(tuning.test_idx) & set(ordinary.test_idx)
+        assert not set(tuning.train_idx) & set(ordinary.test_idx) and not set(tuning.train_idx) & set(tuning.test_idx)
+        assert set(tuning.train_idx) | set(tuning.test_idx) == set(ordinary.train_idx)
+
+
 # --------------------------------------------------------------------------- special tokens (BOS/EOS)
 def word_tokenizer(template: str = "<s> $A"):
     """A tiny word-level tokenizer built here (no download) whose post-processor adds ``<s>`` (a BOS,

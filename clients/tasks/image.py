@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clients.partition import PartitionError, partition_for, public_split, train_test_split
+from clients.partition import PartitionError, held_out_split, partition_for, public_split, train_test_split
 from clients.tasks import vision
 from clients.tasks.base import Task
 
@@ -29,7 +29,7 @@ class ImageTask(Task):
         if cap and len(pool) > int(cap):
             pool = np.sort(np.random.default_rng(int(cfg.seed)).choice(pool, int(cap), replace=False))
         mine = pool[partition_for(cfg, self.labels[pool], num_partitions=num_partitions, partition_id=partition_id)]
-        train, test = train_test_split(mine, float(cfg.task.test_fraction), seed=int(cfg.seed) + partition_id)
+        train, test = held_out_split(mine, cfg.task, seed=int(cfg.seed) + partition_id)
         super().__init__(train, test)
 
     @classmethod

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from clients.models.llm import decoder_and_head, token_loss
-from clients.partition import PartitionError, partition_for, train_test_split
+from clients.partition import PartitionError, held_out_split, partition_for
 from clients.tasks.base import Task, TaskError
 from clients.tasks.text import special_affixes
 
@@ -168,7 +168,7 @@ class LocalTextTask(Task):
         try:
             mine = keep[partition_for(cfg, part, num_partitions=num_partitions, partition_id=partition_id,
                                       natural_order=list(dict.fromkeys(part)))]
-            train_rows, test_rows = train_test_split(mine, float(task.test_fraction), seed=int(cfg.seed) + partition_id)
+            train_rows, test_rows = held_out_split(mine, task, seed=int(cfg.seed) + partition_id)
         except PartitionError as err:
             raise TaskError(f"task '{task.name}', client {partition_id} of {num_partitions} "
                             f"(partition={cfg.partition.name}): {err}") from None

@@ -207,7 +207,7 @@ def task_settings(cfg) -> dict:
         raise TaskError(f"task.fillers must be distinct names from {FILLERS}, got {fillers}")
     held_out = str(task.get("eval_split", "test"))
     if held_out not in ("val", "test"):
-        raise TaskError(f"task.eval_split must be val or test, got {held_out!r}")
+        raise TaskError(f"task.eval_split must be test or val, got {held_out!r}")
     lengths = {"train": _lengths(task.train_lengths, "train_lengths"),
                held_out: _lengths(task.get(f"{held_out}_lengths"), f"{held_out}_lengths")}
     counts = {"train": int(task.train_per_filler), held_out: int(task.get(f"{held_out}_per_filler") or 0)}

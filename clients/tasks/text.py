@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from clients import assets
 from clients.models.llm import position_logits, token_loss
-from clients.partition import partition_for, train_test_split
+from clients.partition import held_out_split, partition_for
 from clients.tasks.base import Task, TaskError
 
 LETTERS = ("A", "B", "C", "D")
@@ -106,7 +106,7 @@ class ShakespeareTask(Task):
         mine = partition_for(cfg, labels, num_partitions=num_partitions, partition_id=partition_id,
                              natural_order=[str(p) for p in task.plays])
         self.plays = sorted({labels[i] for i in mine})
-        train, test = train_test_split(mine, float(task.test_fraction), seed=int(cfg.seed) + partition_id)
+        train, test = held_out_split(mine, task, seed=int(cfg.seed) + partition_id)
         super().__init__(train, test)
 
     def collate(self, indices):
