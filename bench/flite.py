@@ -112,6 +112,23 @@ def parse_args(argv=None):
                    help="one report from the runs of these flite.json files (parts of one benchmark run at "
                         "different times, e.g. seeds or methods added later; same protocol): OUT/flite.json "
                         "gets their union, a later file's run replacing an earlier one's")
+    p.add_argument("--tune", action="store_true",
+                   help="tuning under the protocol (docs/benchmarks.md): every --lr-grid value of every method on "
+                        "every --seed-list seed, scored on a validation split (task.eval_split=val), never the "
+                        "test items; OUT/tuning.json collects the runs (a later call adds to them, e.g. to extend a "
+                        "grid) and OUT/protocol.json is drafted from them (best value per method and partition)")
+    p.add_argument("--lr-grid", action="append", default=[], metavar="METHOD=V1,V2,...",
+                   help="with --tune: the learning rates to try for one method (repeatable; every method the same "
+                        "number of values: the same tuning budget)")
+    p.add_argument("--evaluation-seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], metavar="SEED",
+                   help="with --tune: the evaluation seeds written into the drafted protocol (default 0-4)")
+    p.add_argument("--margin", type=float, default=-1.0,
+                   help="with --tune: the non-inferiority margin in pp written into the protocol (default -1)")
+    p.add_argument("--protocol", type=Path, default=None, metavar="PROTOCOL_JSON",
+                   help="evaluate under this committed protocol file (its methods, partitions, tuned learning "
+                        "rates, evaluation seeds, rounds/steps/clients and θ_pre; refused when it fails "
+                        "bench/protocol.py check, is not committed as it is, or θ_pre differs); the report names "
+                        "its commit")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
     lrs = {m: v for m, (_, _, v) in METHODS.items()}
@@ -128,6 +145,30 @@ def parse_args(argv=None):
         if lrs[method] <= 0:
             p.error(f"--lr {item}: the learning rate must be > 0")
     args.lrs = lrs
+    args.partition_lrs = {}  # (partition, method) -> lr: a protocol's tuned values
+    args.grid = {}
+    for item in args.lr_grid:
+        method, _, values = item.partition("=")
+        if method not in METHODS:
+            p.error(f"--lr-grid: unknown method '{method}'; choose from {', '.join(METHODS)}")
+        try:
+            args.grid[method] = sorted({float(v) for v in values.split(",") if v.strip()})
+        except ValueError:
+            p.error(f"--lr-grid {item}: give numbers separated by commas")
+        if len(args.grid[method]) < 3 or min(args.grid[method]) <= 0:
+            p.error(f"--lr-grid {item}: at least 3 learning rates > 0 (a grid must bracket its best value)")
+    if args.tune:
+        if not args.grid or not args.seed_list:
+            p.error("--tune needs --lr-grid for each method and --seed-list (the tuning seeds)")
+        if len({len(v) for v in args.grid.values()}) > 1:
+            p.error(f"--lr-grid: every method needs as many values (the same tuning budget), got "
+                    f"{ {m: len(v) for m, v in args.grid.items()} }")
+        args.methods = list(args.grid)
+        args.overrides = [*args.overrides, "task.eval_split=val"]
+    elif args.grid:
+        p.error("--lr-grid goes with --tune")
+    if args.protocol is not None:
+        apply_protocol(args, p)
     if args.quick:
         args.rounds, args.steps, args.partitions = 2, 3, ["iid"]
         args.methods = [m for m in args.methods if m in REPEATED] or list(REPEATED)
@@ -139,20 +180,53 @@ def parse_args(argv=None):
     return args
 
 
-def config_for(args, method: str, partition: str, seed: int):
+def lr_of(args, method: str, partition: str) -> float:
+    return args.partition_lrs.get((partition, method), args.lrs[method])
+
+
+def config_for(args, method: str, partition: str, seed: int, lr: float | None = None):
     from fedapps.config import compose
 
     algorithm, overrides, _ = METHODS[method]
+    lr = lr_of(args, method, partition) if lr is None else lr
+    tag = f"_lr{lr:g}_val" if args.tune else ""
     items = [*PARTITIONS[partition], *overrides, f"rounds={args.rounds}", f"num_clients={args.clients}",
-             f"seed={seed}", f"train.lr={args.lrs[method]}", f"train.local_steps={args.steps}",
+             f"seed={seed}", f"train.lr={lr}", f"train.local_steps={args.steps}",
              f"train.batch_size={args.batch_size}", "train.threads=1", "eval.max_batches=0",
-             "eval.batch_size=64", f"run_name=flite-bench_{args.base}_{args.task}_{partition}_{method}_s{seed}",
+             "eval.batch_size=64", f"run_name=flite-bench_{args.base}_{args.task}_{partition}_{method}_s{seed}{tag}",
              f"output_dir={args.runs}", *args.overrides]
     return compose(items, task=args.task, algorithm=algorithm, base=args.base, preset="none")
 
 
+def apply_protocol(args, parser) -> None:
+    """Evaluation under a committed protocol file: its settings replace the command line's."""
+    try:
+        spec = json.loads(args.protocol.read_text())
+        protocol.check(spec)
+        args.protocol_commit = protocol.committed(args.protocol)
+    except (OSError, json.JSONDecodeError, protocol.ProtocolError) as err:
+        parser.exit(2, f"bench/flite.py --protocol: refused: {err}\n")
+    settings = spec.get("settings") or {}
+    for key in ("rounds", "steps", "batch_size", "clients", "base", "task"):
+        if key in settings:
+            setattr(args, key, settings[key])
+    args.overrides = [*settings.get("overrides", []), *args.overrides]
+    args.partition_lrs, methods, partitions = {}, [], []
+    for name, arm in spec["arms"].items():
+        if arm.get("no_training"):
+            continue
+        partition, _, method = name.partition("/")
+        if partition not in PARTITIONS or method not in METHODS:
+            parser.exit(2, f"bench/flite.py --protocol: refused: arm '{name}' is not PARTITION/METHOD\n")
+        args.partition_lrs[(partition, method)] = float(arm["best"]["train.lr"])
+        methods.append(method)
+        partitions.append(partition)
+    args.methods, args.partitions = list(dict.fromkeys(methods)), list(dict.fromkeys(partitions))
+    args.seed_list, args.protocol_spec = [int(s) for s in spec["evaluation_seeds"]], spec
+
+
 def seeds_of(args, method: str) -> list[int]:
-    if method not in REPEATED:
+    if method not in REPEATED and not (args.tune or args.protocol):
         return [0]
     return list(args.seed_list) if args.seed_list else list(range(args.seeds))
 
@@ -161,7 +235,8 @@ def run_all(args) -> dict:
     from fedapps.outputs import cumulative_curve
     from fedapps.simulation import simulate
 
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "lr"}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                if k not in ("lr", "partition_lrs", "protocol_spec", "protocol_commit", "lr_grid")}
     results = {"runs": {}, "settings": settings}
     if args.base == "public":  # θ_pre once, before the runs (each would otherwise wait on the first)
         import hashlib
@@ -174,16 +249,40 @@ def run_all(args) -> dict:
         results["base"] = read_report(cfg)
         # θ_pre is not bit-reproducible across CPUs: the report names the very file, and --merge refuses another
         results["base"]["sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    jobs = [(p, m, seed) for p in args.partitions for m in args.methods for seed in seeds_of(args, m)]
-    for done, (partition, method, seed) in enumerate(jobs, 1):
-        cfg = config_for(args, method, partition, seed)
-        log(f"[{done}/{len(jobs)}] {method} on {TASKS[args.task]} {partition}, seed {seed} (lr {args.lrs[method]:g})")
+    if getattr(args, "protocol_spec", None) is not None:
+        expected = (args.protocol_spec.get("settings") or {}).get("base_sha256")
+        found = (results.get("base") or {}).get("sha256")
+        if expected and found != expected:
+            raise SystemExit(f"bench/flite.py --protocol: θ_pre here is {str(found)[:12]}, the protocol was tuned on "
+                             f"{expected[:12]}: not the same base model (pretraining is not bit-reproducible across "
+                             "CPUs; evaluate where the protocol was tuned, or tune again here)")
+        results["protocol"] = {"file": str(args.protocol), "commit": args.protocol_commit, **args.protocol_spec}
+    name = "tuning.json" if args.tune else "flite.json"
+    if args.tune and (args.out / name).exists():  # a later tuning call adds runs (a grid extended)
+        earlier = json.loads((args.out / name).read_text())
+        differ = [k for k in PROTOCOL if earlier["settings"].get(k) != results["settings"].get(k)]
+        if differ:
+            raise SystemExit(f"bench/flite.py --tune: {args.out / name} was tuned with other {', '.join(differ)}: "
+                             "use another --out")
+        results["runs"] = earlier["runs"]
+    lrs = (lambda m: args.grid[m]) if args.tune else (lambda m: [None])
+    jobs = [(p, m, seed, lr) for p in args.partitions for m in args.methods for lr in lrs(m)
+            for seed in seeds_of(args, m)]
+    for done, (partition, method, seed, lr) in enumerate(jobs, 1):
+        lr = lr_of(args, method, partition) if lr is None else lr
+        key = f"{partition}/{method}/{lr:g}/{seed}" if args.tune else f"{partition}/{method}/{seed}"
+        if args.tune and key in results["runs"]:
+            log(f"[{done}/{len(jobs)}] {key}: already in {args.out / name}")
+            continue
+        cfg = config_for(args, method, partition, seed, lr)
+        split = " (validation split)" if args.tune else ""
+        log(f"[{done}/{len(jobs)}] {method} on {TASKS[args.task]} {partition}, seed {seed} (lr {lr:g}){split}")
         start = time.time()
         summary = simulate(cfg)
         seconds = time.time() - start
-        results["runs"][f"{partition}/{method}/{seed}"] = {
+        results["runs"][key] = {
             "method": method, "partition": partition, "seed": seed, "algorithm": summary["algorithm"],
-            "lr": args.lrs[method], "initial_accuracy": summary["initial_metric"],
+            "lr": lr, "initial_accuracy": summary["initial_metric"],
             "final_accuracy": summary["final_metric"],
             "uplink_bytes_per_client_round": summary["uplink_bytes_per_client_round"],
             "uplink_message_bytes_per_client_round": summary.get("uplink_message_bytes_per_client_round"),
@@ -194,7 +293,7 @@ def run_all(args) -> dict:
         }
         log(f"    accuracy {summary['initial_metric']:.4f} -> {summary['final_metric']:.4f}, "
             f"uplink {summary['uplink_bytes_per_client_round']:,.0f} B/client/round, {seconds:.0f} s")
-        (args.out / "flite.json").write_text(json.dumps(results, indent=2) + "\n")  # partial results survive
+        (args.out / name).write_text(json.dumps(results, indent=2) + "\n")  # partial results survive
     return results
 
 
@@ -205,7 +304,7 @@ def merge(paths: list[Path]) -> dict:
     """The union of several flite.json files' runs (refused when their protocols differ)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     first = parts[0]["settings"]
-    merged = {"runs": {}, "settings": dict(first), "base": parts[0].get("base"),
+    merged = {"runs": {}, "settings": dict(first), "base": parts[0].get("base"), "protocol": parts[0].get("protocol"),
               "command": "; ".join(part.get("command", "?") for part in parts)}
     for path, part in zip(paths, parts):
         differ = [k for k in PROTOCOL if part["settings"].get(k, first.get(k)) != first.get(k)]
@@ -217,6 +316,9 @@ def merge(paths: list[Path]) -> dict:
             raise SystemExit(f"bench/flite.py --merge: {path} was made from θ_pre {str(theirs)[:12]}, {paths[0]} from "
                              f"{str(ours)[:12]}: not the same base model (pretraining is not bit-reproducible across "
                              "CPUs; run every part on one θ_pre file)")
+        if (part.get("protocol") or {}).get("commit") != (parts[0].get("protocol") or {}).get("commit"):
+            raise SystemExit(f"bench/flite.py --merge: {path} was evaluated under another protocol commit than "
+                             f"{paths[0]}: not parts of one benchmark")
         merged["runs"].update(part["runs"])
         for key in ("methods", "partitions"):
             merged["settings"][key] = list(dict.fromkeys([*merged["settings"][key], *part["settings"][key]]))
@@ -249,12 +351,16 @@ def paired_gap(method_runs: list[dict], ref_runs: list[dict]) -> float:
     return mean_std(gaps)[0] if gaps else float("nan")
 
 
-def gap_interval(method_runs: list[dict], ref_runs: list[dict]) -> tuple[float, float, float] | None:
-    """Mean gap (pp) of the method to the reference over paired seeds, and its 95% t-interval."""
+def gap_interval(method_runs: list[dict], ref_runs: list[dict] | None) -> tuple[float, float, float] | None:
+    """Mean gap (pp) of the method to the reference over paired seeds, and its 95% t-interval;
+    ``ref_runs`` None: to the no-training arm, each run's own round 0 (θ_pre on the same items)."""
     from scipy import stats
 
-    ref = {r.get("seed", 0): r["final_accuracy"] for r in ref_runs}
-    gaps = [100 * (r["final_accuracy"] - ref[r.get("seed", 0)]) for r in method_runs if r.get("seed", 0) in ref]
+    if ref_runs is None:
+        gaps = [100 * (r["final_accuracy"] - r["initial_accuracy"]) for r in method_runs]
+    else:
+        ref = {r.get("seed", 0): r["final_accuracy"] for r in ref_runs}
+        gaps = [100 * (r["final_accuracy"] - ref[r.get("seed", 0)]) for r in method_runs if r.get("seed", 0) in ref]
     if len(gaps) < 2:
         return None
     mean, std = mean_std(gaps)
@@ -303,7 +409,16 @@ def report(results: dict, command: str, machine: str) -> str:
                   f"of every class, disjoint from the clients'), {b['settings']['base']['steps']} steps; held-out "
                   f"public accuracy {b['accuracy_before']:.3f} → {b['accuracy_after']:.3f} ({b['seconds']:.0f} s); "
                   f"file sha256 {b.get('sha256', 'not recorded (a report made before 2026-12-04)')}.", ""]
+    spec = results.get("protocol")
+    if spec:
+        arms = ", ".join(f"{name} lr {arm['best']['train.lr']:g} (grid {', '.join(f'{v:g}' for v in arm['grid']['train.lr'])})"
+                         for name, arm in spec["arms"].items() if not arm.get("no_training"))
+        lines += [f"Under the protocol `{spec['file']}` committed at {spec['commit'][:12]} before these runs: "
+                  f"tuned on a validation split with seeds {spec['tuning_seeds']}, evaluated on seeds "
+                  f"{spec['evaluation_seeds']}; {arms}; margin {spec['margin']:+g} pp ({spec['kind']}). Changes "
+                  f"made after a result was seen: {'; '.join(spec.get('changes_after_results') or []) or 'none'}.", ""]
     verdicts = []
+    margin = float(spec["margin"]) if spec else -1.0
     for partition in s["partitions"]:
         ref = groups.get((partition, REFERENCE))
         ref_bytes = ref[0]["uplink_bytes_per_client_round"] if ref else None
@@ -329,7 +444,21 @@ def report(results: dict, command: str, machine: str) -> str:
                          f"| {gain:+.1f} | {sent:,.0f} ({fmt_bytes(sent)}) | {framed} | {ratio} "
                          f"| {fmt_bytes(runs[0]['downlink_bytes_per_client_round'])} | {gap} "
                          f"| {mean_std([r['seconds'] for r in runs])[0] / 60:.1f} min |")
+        if ref:
+            theta, theta_std = mean_std([r["initial_accuracy"] for r in ref])
+            lines.append(f"| θ_pre (no training: round 0) | – | {len(ref)} | **{theta:.3f}**"
+                         f"{f' ± {theta_std:.3f}' if len(ref) > 1 else ''} | +0.0 | 0 | – | – | – | "
+                         f"{100 * (theta - mean_std([r['final_accuracy'] for r in ref])[0]):+.1f} | – |")
         lines.append("")
+        label_gains = []
+        for method in s["methods"]:
+            runs = groups.get((partition, method))
+            interval = gap_interval(runs, None) if runs else None
+            if interval:
+                label_gains.append(f"{method} {interval[0]:+.1f} pp ({interval[1]:+.1f} to {interval[2]:+.1f})")
+        if label_gains:
+            verdicts.append(f"- {label}: gain over θ_pre (no training), paired 95% intervals: "
+                            + "; ".join(label_gains) + ".")
         for method in TINY:
             tiny = groups.get((partition, method))
             if not (ref and tiny):
@@ -340,12 +469,60 @@ def report(results: dict, command: str, machine: str) -> str:
             paired = len({r.get("seed", 0) for r in tiny} & {r.get("seed", 0) for r in ref})
             ci = (f" (paired over {paired} seeds: 95% interval {interval[1]:+.1f} to "
                   f"{interval[2]:+.1f} pp)") if interval else " (one seed: no interval)"
-            verdicts.append(f"- {label}: {method} is {gap:+.1f} pp from {REFERENCE}{ci} (target ≥ −1 pp: "
-                            f"**{verdict(gap, interval)}**) at {ratio:,.0f}× fewer uplink bytes "
+            verdicts.append(f"- {label}: {method} is {gap:+.1f} pp from {REFERENCE}{ci} (target ≥ {margin:+g} pp: "
+                            f"**{verdict(gap, interval, margin)}**) at {ratio:,.0f}× fewer uplink bytes "
                             f"(target ≥ 10,000×: **{'met' if ratio >= 10_000 else 'not met'}**).")
     if verdicts:
         lines += ["## Targets", "", *verdicts, ""]
     lines += ["![accuracy vs cumulative uplink bytes](flite.png)", ""]
+    return "\n".join(lines)
+
+
+def draft_protocol(results: dict, args) -> dict:
+    """The protocol file the tuning runs give: per partition and method, its grid and the value with the
+    best mean validation accuracy over the tuning seeds; the evaluation seeds, the margin, the settings
+    every evaluation run shares, θ_pre's sha256 and the no-training arm."""
+    arms = {}
+    for (partition, method), runs in grouped(results).items():
+        scores: dict[float, list[float]] = {}
+        for run in runs:
+            scores.setdefault(float(run["lr"]), []).append(float(run["final_accuracy"]))
+        best = protocol.best_on_grid(scores)
+        arms[f"{partition}/{method}"] = {
+            "grid": {"train.lr": sorted(scores)}, "best": {"train.lr": best},
+            "validation_accuracy": {f"{v:g}": round(sum(s) / len(s), 4) for v, s in sorted(scores.items())}}
+    arms["theta-pre"] = {"no_training": True, "what": "round 0 of every evaluation run: θ_pre on the same test items"}
+    s = results["settings"]
+    return {
+        "comparison": f"FLITE near/far regime on {TASKS[s['task']]} (bench/flite.py --protocol)",
+        "tuning_seeds": sorted({int(r["seed"]) for r in results["runs"].values()}),
+        "evaluation_seeds": list(args.evaluation_seeds), "split": "validation",
+        "margin": float(args.margin), "kind": "non-inferiority", "reference": REFERENCE,
+        "settings": {"rounds": s["rounds"], "steps": s["steps"], "batch_size": s["batch_size"],
+                     "clients": s["clients"], "base": s["base"], "task": s["task"],
+                     "overrides": [o for o in s["overrides"] if o != "task.eval_split=val"],
+                     "base_sha256": (results.get("base") or {}).get("sha256")},
+        "arms": arms, "changes_after_results": [],
+    }
+
+
+def tuning_report(results: dict, draft: dict, refusal: str | None, command: str) -> str:
+    lines = [f"# Tuning on the validation split ({TASKS[results['settings']['task']]}, {BASES[results['settings']['base']]})",
+             "", f"Made by `{command}`, {time.strftime('%Y-%m-%d')}: mean validation accuracy over tuning seeds "
+             f"{draft['tuning_seeds']} (task.eval_split=val: carved from the clients' training rows; no test item "
+             "scored). **Bold**: the best value, written to protocol.json.", ""]
+    for name, arm in draft["arms"].items():
+        if arm.get("no_training"):
+            continue
+        cells = [f"**{acc:.4f}**" if float(v) == arm["best"]["train.lr"] else f"{acc:.4f}"
+                 for v, acc in arm["validation_accuracy"].items()]
+        lines.append(f"- {name}: " + ", ".join(f"lr {v} → {c}" for v, c in zip(arm["validation_accuracy"], cells)))
+    by_partition: dict[str, list[float]] = {}
+    for run in results["runs"].values():
+        by_partition.setdefault(run["partition"], []).append(float(run["initial_accuracy"]))
+    lines += ["", "θ_pre (no training, round 0) on the same validation items: " + "; ".join(
+        f"{partition} {sum(v) / len(v):.4f}" for partition, v in by_partition.items()) + ".",
+        "", f"protocol check: **{'refused: ' + refusal if refusal else 'passes'}**", ""]
     return "\n".join(lines)
 
 
@@ -382,6 +559,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     command = ("bench/flite.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))).strip()
+    if args.tune:
+        results = run_all(args)
+        results["command"] = command
+        (args.out / "tuning.json").write_text(json.dumps(results, indent=2) + "\n")
+        draft = draft_protocol(results, args)
+        refusal = None
+        try:
+            protocol.check(draft)
+        except protocol.ProtocolError as err:
+            refusal = str(err)
+        (args.out / "protocol.json").write_text(json.dumps(draft, indent=2) + "\n")
+        text = tuning_report(results, draft, refusal, command)
+        (args.out / "tuning.md").write_text(text)
+        print(text)
+        log(f"tuning: {args.out / 'tuning.md'}; protocol draft: {args.out / 'protocol.json'}"
+            + (" (refused: extend the grid with another --tune call to the same --out)" if refusal else
+               " (commit it, then: bench/flite.py --protocol " + str(args.out / "protocol.json") + ")"))
+        return 2 if refusal else 0
     if args.merge:
         results = merge(args.merge)
         results["command"] = f"{command} (merging: {results['command']})"

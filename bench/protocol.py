@@ -102,6 +102,38 @@ def check(protocol: Mapping) -> None:
         raise ProtocolError(f"the arms' tuning budgets differ: {budgets} grid points (give every arm the same)")
 
 
+def best_on_grid(scores: Mapping[float, Sequence[float]], *, higher_is_better: bool = True) -> float:
+    """The grid value whose mean validation score over the tuning seeds is best (``scores``: value ->
+    one score per tuning seed). Refuses a grid where a value lacks a seed the others have."""
+    if not scores:
+        raise ProtocolError("no tuning runs")
+    counts = {value: len(s) for value, s in scores.items()}
+    if len(set(counts.values())) > 1:
+        raise ProtocolError(f"unequal tuning runs per grid value: {counts} (run every value on every tuning seed)")
+    sign = 1.0 if higher_is_better else -1.0
+    return max(scores, key=lambda value: (sign * sum(scores[value]) / len(scores[value]), -value))
+
+
+def committed(path: Path) -> str:
+    """The commit that last changed ``path``, refused when the file is not committed as it is now (an
+    evaluation runs only under a protocol fixed in git beforehand, and its report names this commit)."""
+    import subprocess
+
+    path = Path(path).resolve()
+    git = ["git", "-C", str(path.parent)]
+    try:
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", path.name], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise ProtocolError(f"{path} is not in a git repository ({err}): commit the protocol before the "
+                            "evaluation runs") from None
+    commit = subprocess.run([*git, "log", "-1", "--format=%H", "--", path.name], capture_output=True,
+                            text=True).stdout.strip()  # a repository without commits fails: not committed
+    if dirty or not commit:
+        raise ProtocolError(f"{path} is not committed as it is now: commit the protocol before the evaluation runs")
+    return commit
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Check a protocol file before its evaluation runs.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -97,3 +97,117 @@ def test_flite_parts_made_from_different_base_files_are_not_merged(tmp_path):
     assert len(flite.merge([a, b])["runs"]) == 2
     with pytest.raises(SystemExit, match="made from θ_pre bbbbbbbbbbbb"):
         flite.merge([a, c])
+
+
+def test_the_best_grid_value_is_the_best_mean_over_tuning_seeds():
+    assert protocol.best_on_grid({1e-3: [0.80, 0.84], 3e-3: [0.85, 0.83], 1e-2: [0.70, 0.90]}) == 3e-3
+    assert protocol.best_on_grid({1.0: [3.1], 2.0: [2.9], 3.0: [3.0]}, higher_is_better=False) == 2.0
+    with pytest.raises(ProtocolError, match="unequal tuning runs per grid value"):
+        protocol.best_on_grid({1e-3: [0.8, 0.8], 3e-3: [0.9]})
+
+
+def git(cwd, *args):
+    import subprocess
+
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_an_evaluation_runs_only_under_a_protocol_committed_as_it_is(tmp_path):
+    path = tmp_path / "protocol.json"
+    path.write_text(json.dumps(good()))
+    with pytest.raises(ProtocolError, match="not in a git repository|not committed"):
+        protocol.committed(path)
+    git(tmp_path, "init", "-q")
+    with pytest.raises(ProtocolError, match="not committed as it is now"):
+        protocol.committed(path)
+    git(tmp_path, "add", "protocol.json")
+    git(tmp_path, "commit", "-qm", "protocol")
+    commit = protocol.committed(path)
+    assert len(commit) == 40
+    path.write_text(json.dumps({**good(), "margin": -3.0}))  # loosened after the fact
+    with pytest.raises(ProtocolError, match="not committed as it is now"):
+        protocol.committed(path)
+
+
+def fake_tuning(grid_scores: dict) -> dict:
+    """A tuning.json of bench/flite.py --tune: (partition, method) -> {lr: validation accuracy}."""
+    runs = {}
+    for (partition, method), scores in grid_scores.items():
+        for lr, acc in scores.items():
+            runs[f"{partition}/{method}/{lr:g}/100"] = {"method": method, "partition": partition, "seed": 100,
+                                                       "lr": lr, "initial_accuracy": 0.80, "final_accuracy": acc}
+    settings = {"rounds": 8, "steps": 20, "batch_size": 32, "clients": 4, "base": "public", "task": "fmnist",
+                "overrides": ["task.eval_split=val"], "methods": [], "partitions": ["iid"]}
+    return {"runs": runs, "settings": settings, "base": {"sha256": "ab" * 32}}
+
+
+def test_tuning_drafts_a_protocol_that_the_check_passes_only_when_every_grid_brackets_its_best(tmp_path):
+    import argparse
+
+    import flite
+
+    args = argparse.Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0)
+    inside = fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
+                          ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}})
+    draft = flite.draft_protocol(inside, args)
+    check(draft)
+    assert draft["arms"]["iid/flite-int4"]["best"] == {"train.lr": 3e-3} and draft["tuning_seeds"] == [100]
+    assert draft["settings"]["overrides"] == [] and draft["settings"]["base_sha256"] == "ab" * 32
+    assert draft["arms"]["theta-pre"]["no_training"]
+    edge = fake_tuning({("iid", "flite-int4"): {1e-3: 0.89, 3e-3: 0.87, 1e-2: 0.84},
+                        ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}})
+    with pytest.raises(ProtocolError, match="'iid/flite-int4': its best train.lr = 0.001 sits at the edge"):
+        check(flite.draft_protocol(edge, args))
+    text = flite.tuning_report(inside, draft, None, "bench/flite.py --tune ...")
+    assert "lr 0.003 → **0.8700**" in text and "passes" in text and "round 0) on the same validation items: iid 0.8000" in text
+
+
+def test_flite_evaluation_refuses_a_protocol_that_is_not_committed_or_fails_the_check(tmp_path, capsys):
+    import flite
+
+    args = ["--protocol", str(tmp_path / "protocol.json"), "--out", str(tmp_path / "out")]
+    draft = flite.draft_protocol(fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
+                                              ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}}),
+                                 __import__("argparse").Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0))
+    (tmp_path / "protocol.json").write_text(json.dumps(draft))
+    with pytest.raises(SystemExit) as exit_:
+        flite.parse_args(args)
+    assert exit_.value.code == 2 and "commit the protocol before the evaluation runs" in capsys.readouterr().err
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "protocol.json")
+    git(tmp_path, "commit", "-qm", "protocol")
+    parsed = flite.parse_args(args)
+    assert parsed.methods == ["flite-int4", "fedavg-full"] and parsed.partitions == ["iid"]
+    assert parsed.seed_list == [0, 1, 2] and (parsed.rounds, parsed.steps, parsed.task) == (8, 20, "fmnist")
+    assert flite.lr_of(parsed, "flite-int4", "iid") == 3e-3 and flite.lr_of(parsed, "fedavg-full", "iid") == 1e-4
+    assert all(m in flite.REPEATED or flite.seeds_of(parsed, m) == [0, 1, 2] for m in parsed.methods)
+    draft["evaluation_seeds"] = [100, 1]  # overlaps the tuning seed
+    (tmp_path / "protocol.json").write_text(json.dumps(draft))
+    git(tmp_path, "commit", "-qam", "overlap")
+    with pytest.raises(SystemExit) as exit_:
+        flite.parse_args(args)
+    assert exit_.value.code == 2 and "seeds overlap: [100]" in capsys.readouterr().err
+
+
+def test_a_report_under_a_protocol_names_its_commit_and_carries_the_no_training_arm():
+    import flite
+
+    spec = flite.draft_protocol(fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
+                                             ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}}),
+                                __import__("argparse").Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0))
+    runs = {}
+    for method, lr, finals in (("flite-int4", 3e-3, (0.86, 0.87, 0.88)), ("fedavg-full", 1e-4, (0.86, 0.88, 0.88))):
+        for seed, final in enumerate(finals):
+            runs[f"iid/{method}/{seed}"] = {
+                "method": method, "partition": "iid", "seed": seed, "lr": lr, "initial_accuracy": 0.80,
+                "final_accuracy": final, "uplink_bytes_per_client_round": 648 if method == "flite-int4" else 8_946_728,
+                "downlink_bytes_per_client_round": 648, "seconds": 60, "curve": []}
+    results = {"runs": runs, "settings": {"partitions": ["iid"], "methods": ["flite-int4", "fedavg-full"],
+                                          "clients": 4, "rounds": 8, "steps": 20, "batch_size": 32,
+                                          "task": "fmnist", "base": "public"},
+               "protocol": {"file": "docs/x/protocol.json", "commit": "c0ffee" * 6 + "abcd", **spec}}
+    text = flite.report(results, "bench/flite.py --protocol docs/x/protocol.json", "here")
+    assert "committed at c0ffeec0ffee" in text and "| θ_pre (no training: round 0) |" in text
+    assert "gain over θ_pre (no training)" in text and "flite-int4 +7.0 pp" in text
+    assert "flite-int4 is -0.3 pp from fedavg-full" in text
