@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from clients.models import build_model
 from clients.tasks import make_task
 from clients.tasks.base import TaskError
-from clients.tasks.passkey import SPLITS, exact_match, make_example, split_example, split_seed_key
+from clients.tasks.passkey import SPLITS, make_example, split_example, split_seed_key
+from clients.tasks.passkey_task import exact_match
 from fedapps.config import ConfigError, compose
 from fedapps.outputs import read_metrics
 

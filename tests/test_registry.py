@@ -110,6 +110,9 @@ def test_composing_and_validating_a_config_imports_no_torch():
 
     extra = {"flite": ["algorithm.flite.latents=4"]}
     calls = "".join(f"compose({extra.get(name, [])!r}, algorithm={name!r})\n" for name in sorted(registry.METHODS))
+    # and every task whose checks run when composed (passkey's settings and FedNL's window against them)
+    calls += "".join(f"compose([], task={task!r})\n" for task in ("passkey", "niah", "mmlu", "shakespeare"))
+    calls += "compose(['task.eval_split=val'], task='fmnist', algorithm='flite')\ncompose([], task='passkey', algorithm='fednl')\n"
     code = f"import sys\nfrom fedapps.config import compose\n{calls}print('torch' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -24,7 +24,7 @@ def make_task(cfg, partition_id: int, num_partitions: int, tokenizer=None) -> Ta
 
         return NIAHTask(cfg, partition_id, num_partitions, tokenizer)
     if kind == "passkey":
-        from clients.tasks.passkey import PasskeyTask
+        from clients.tasks.passkey_task import PasskeyTask
 
         return PasskeyTask(cfg, partition_id, num_partitions, tokenizer)
     if kind == "image":

@@ -5,8 +5,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where a batch is made or scored, not by composing a config
+    import torch
 
 
 class TaskError(ValueError):
@@ -61,15 +65,17 @@ class Task(ABC):
         accuracy, ``correct`` (0/1). A task that cannot score items one by one says so."""
         raise TaskError(f"task {type(self).__name__} gives no per-item scores")
 
-    @torch.no_grad()
     def items(self, model, batch_size: int, max_batches: int) -> dict[str, np.ndarray]:
         """The items :meth:`evaluate` scores, in its order: ``index`` (into the task's examples) and
         :meth:`item_scores` per item (a paired comparison of two models uses the same items)."""
+        import torch
+
         n = len(self.test_idx) if max_batches <= 0 else min(len(self.test_idx), batch_size * max_batches)
         scores: dict[str, list] = {}
-        for batch in self.test_batches(batch_size, max_batches):
-            for key, value in self.item_scores(model, batch).items():
-                scores.setdefault(key, []).append(value.detach().float().cpu().numpy())
+        with torch.no_grad():
+            for batch in self.test_batches(batch_size, max_batches):
+                for key, value in self.item_scores(model, batch).items():
+                    scores.setdefault(key, []).append(value.detach().float().cpu().numpy())
         out = {key: np.concatenate(parts) for key, parts in scores.items()}
         out["index"] = np.asarray(self.test_idx[:n], dtype=np.int64)
         return out
