@@ -136,9 +136,18 @@ most "not shown"), used by `bench/flite.py` and `bench/smartfed.py` alike.
 `.venv/bin/python bench/protocol.py check PROTOCOL.json` refuses (exit 2, one line) a protocol
 whose seeds overlap, whose best value sits at a grid edge, whose budgets differ, that was tuned
 on the test split, states no margin, or lacks the no-training arm (tests/test_protocol.py).
-The reports collected below were made before this protocol existed: their tuning is described
-in each method's doc (docs/flite.md, docs/smartfed.md, docs/fednl.md), and their headline
-comparisons are yet to be re-run under it.
+
+The validation split is `task.eval_split=val` (image, Shakespeare and own-text tasks; passkey
+has its own): a client keeps the same test items out of everything and scores `task.val_fraction`
+of its training rows instead (`clients.partition.held_out_split`). For FLITE the workflow is in
+`bench/flite.py`: `--tune` runs every `--lr-grid` value of every method on the tuning seeds
+(`--seed-list`) on the validation split and drafts `protocol.json` (the best value per method and
+partition, the evaluation seeds, the margin, θ_pre's sha256); once it passes the check it is
+committed, and `--protocol protocol.json` evaluates under it, refusing a file that is not
+committed as it is, and its report names that commit.
+Reports made under the protocol say so in their first lines (the commit of their protocol
+file); the others were made before it existed: their tuning is described in each method's doc
+(docs/flite.md, docs/smartfed.md, docs/fednl.md), and docs/results.md marks each claim.
 """
 
 

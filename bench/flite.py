@@ -4,6 +4,14 @@
     .venv/bin/python bench/flite.py --base public --seeds 3 --out docs/bench/flite-near   # near regime
     .venv/bin/python bench/flite.py --quick --out /tmp/flite-quick   # a smoke test in a few minutes
 
+Under the evidence protocol (docs/benchmarks.md, "Protocol"): tune on a validation split, commit
+the drafted protocol, then evaluate under it (resumable: the same command again keeps the runs done)::
+
+    .venv/bin/python bench/flite.py --tune --base public --task fmnist --seed-list 100 \
+        --lr-grid flite-int4=3e-4,1e-3,3e-3,1e-2 --lr-grid fedavg-full=1e-5,3e-5,1e-4,3e-4 --out DIR
+    git add DIR/protocol.json && git commit -m "protocol"      # before any evaluation run
+    .venv/bin/python bench/flite.py --protocol DIR/protocol.json --out DIR
+
 Two regimes (``--base``): ``model`` starts every method from the ImageNet MobileNetV2 (the
 *far* regime: the base never saw the task); ``public`` starts every method from θ_pre, the
 same backbone trained centrally on the task's public split (20% of every class, disjoint
@@ -128,7 +136,7 @@ def parse_args(argv=None):
                    help="evaluate under this committed protocol file (its methods, partitions, tuned learning "
                         "rates, evaluation seeds, rounds/steps/clients and θ_pre; refused when it fails "
                         "bench/protocol.py check, is not committed as it is, or θ_pre differs); the report names "
-                        "its commit")
+                        "its commit; the same command again resumes: runs already in OUT/flite.json are kept")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
     lrs = {m: v for m, (_, _, v) in METHODS.items()}
@@ -258,11 +266,14 @@ def run_all(args) -> dict:
                              "CPUs; evaluate where the protocol was tuned, or tune again here)")
         results["protocol"] = {"file": str(args.protocol), "commit": args.protocol_commit, **args.protocol_spec}
     name = "tuning.json" if args.tune else "flite.json"
-    if args.tune and (args.out / name).exists():  # a later tuning call adds runs (a grid extended)
+    resume = args.tune or results.get("protocol") is not None
+    if resume and (args.out / name).exists():  # a later call adds runs: a grid extended, an evaluation resumed
         earlier = json.loads((args.out / name).read_text())
         differ = [k for k in PROTOCOL if earlier["settings"].get(k) != results["settings"].get(k)]
+        if (earlier.get("protocol") or {}).get("commit") != (results.get("protocol") or {}).get("commit"):
+            differ.append("protocol commit")
         if differ:
-            raise SystemExit(f"bench/flite.py --tune: {args.out / name} was tuned with other {', '.join(differ)}: "
+            raise SystemExit(f"bench/flite.py: {args.out / name} was made with other {', '.join(differ)}: "
                              "use another --out")
         results["runs"] = earlier["runs"]
     lrs = (lambda m: args.grid[m]) if args.tune else (lambda m: [None])
@@ -271,7 +282,7 @@ def run_all(args) -> dict:
     for done, (partition, method, seed, lr) in enumerate(jobs, 1):
         lr = lr_of(args, method, partition) if lr is None else lr
         key = f"{partition}/{method}/{lr:g}/{seed}" if args.tune else f"{partition}/{method}/{seed}"
-        if args.tune and key in results["runs"]:
+        if resume and key in results["runs"]:
             log(f"[{done}/{len(jobs)}] {key}: already in {args.out / name}")
             continue
         cfg = config_for(args, method, partition, seed, lr)
