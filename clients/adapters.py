@@ -100,3 +100,39 @@ def load_federated_state(model, state: dict) -> None:
             if tuple(value.shape) != tuple(target.shape):
                 raise AdapterError(f"tensor '{name}' has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
             target.copy_(value.to(dtype=target.dtype, device=target.device))
+
+
+def best_rank_fit(delta, rank: int, scaling: float):
+    """LoRA factors ``(A: r×d_in, B: d_out×r)`` with ``scaling · B @ A`` the best rank-``rank`` fit of
+    ``delta`` in the Frobenius norm (its truncated SVD, the singular values split evenly)."""
+    delta = torch.as_tensor(delta, dtype=torch.float32)
+    U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
+    root = (S[:rank] / float(scaling)).sqrt()
+    return root[:, None] * Vh[:rank], U[:, :rank] * root[None, :]
+
+
+def warm_start_lora(model, deltas: dict, *, adapter: str = "default") -> list[str]:
+    """Start each LoRA layer whose base module (``model.layers.0.self_attn.q_proj``) is in ``deltas``
+    from :func:`best_rank_fit` of that ΔW (``(d_out, d_in)``) instead of PEFT's init (B = 0); layers
+    without a ΔW keep PEFT's. Returns the base module names set. Used by ``algorithm.lora.init=pool``
+    (FedAvg-LoRA from the knowledge pool's adapters: ``fedapps.baselines``)."""
+    from peft.tuners.lora import LoraLayer
+
+    done = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+                continue
+            base = name.removeprefix("base_model.model.")
+            if base not in deltas:
+                continue
+            A, B = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            delta = torch.as_tensor(deltas[base], dtype=torch.float32)
+            if tuple(delta.shape) != (B.shape[0], A.shape[1]):
+                raise AdapterError(f"the pool's ΔW of {base} has shape {tuple(delta.shape)}, the model's "
+                                   f"{(B.shape[0], A.shape[1])}: another backbone")
+            new_A, new_B = best_rank_fit(delta, A.shape[0], module.scaling[adapter])
+            A.copy_(new_A.to(A.dtype))
+            B.copy_(new_B.to(B.dtype))
+            done.append(base)
+    return sorted(done)

@@ -33,7 +33,14 @@ def prepare(cfg):
     if cfg.algorithm.trainable == "lora":
         if cfg.model.kind == "vision":  # LoRA adapts the features; the classifier is FLITE's frozen one
             frozen_head_(model, seed=int(cfg.seed))
+        pooled = pool_deltas(cfg, model) if cfg.algorithm.lora.get("init", "random") == "pool" else None
         model = apply_lora(model, cfg.algorithm.lora, seed=int(cfg.seed))
+        if pooled is not None:
+            from clients.adapters import AdapterError, warm_start_lora
+
+            if not warm_start_lora(model, pooled):
+                raise AdapterError(f"algorithm.lora.init=pool: the pool's adapters target none of this run's LoRA "
+                                   f"modules ({list(cfg.algorithm.lora.target_modules)})")
     else:
         model.requires_grad_(True)
     extra = {"names": federated_names(model, cfg.algorithm)}
@@ -41,6 +48,38 @@ def prepare(cfg):
     if settings is not None and settings.downlink == "latent":  # θ_fed,0: what the latent downlink replays from
         extra["initial"] = {k: v.numpy().copy() for k, v in federated_state(model, extra["names"]).items()}
     return model, tokenizer, extra
+
+
+def pool_deltas(cfg, model) -> dict[str, np.ndarray]:
+    """``algorithm.lora.init=pool``: per target matrix, the mean ΔW of the knowledge pool's adapters that
+    adapt it (the pool SmartFed mixes: ``algorithm.pool``, ``algorithm.adapters``); the LoRA starts from
+    its best rank-r fit (``clients.adapters.warm_start_lora``), so FedAvg-LoRA reuses the same knowledge
+    at its own bytes. ``model``: the backbone before LoRA (its fingerprint must be the pool's)."""
+    from clients.adapters import AdapterError
+    from clients.smartfed.pool import backbone_fingerprint
+    from fedapps.smartfed import SmartFedError, open_pool
+
+    try:
+        _, _, experts = open_pool(cfg, backbone_fingerprint(model))
+    except SmartFedError as err:
+        raise AdapterError(f"algorithm.lora.init=pool: {err}") from None
+    return {module: es.delta_weight() / len({es.source(i)[0] for i in range(len(es))})
+            for module, es in experts.items()}
+
+
+def check(cfg) -> None:
+    """The LoRA baselines' own settings: ``algorithm.lora.init`` (random | pool)."""
+    from fedapps.method import ConfigError
+
+    lora = cfg.algorithm.get("lora")
+    if lora is None:
+        return
+    init = lora.get("init", "random")
+    if init not in ("random", "pool"):
+        raise ConfigError(f"algorithm.lora.init must be random or pool, got {init!r}")
+    if init == "pool" and cfg.model.kind != "causal_lm":
+        raise ConfigError("algorithm.lora.init=pool starts from a knowledge pool of causal-LM adapters "
+                          f"(postcard pool build); model '{cfg.model.name}' is {cfg.model.kind}")
 
 
 def load_global(call: ClientCall) -> dict[str, torch.Tensor]:
@@ -200,4 +239,4 @@ def restore(cfg, run_dir):
 LATENT_DOWNLINK = ("fedavg-lora", "fedprox", "ffa-lora", "fedavg-full")  # their clients replay latents (load_global)
 OWN_FORMAT = {"topk-ef": "topk", "powersgd": "powersgd"}  # a compressed update format that defines the method
 METHODS = tuple(Method(name, prepare, train, evaluate, plan_server, restore, latent_downlink=name in LATENT_DOWNLINK,
-                       own_format=OWN_FORMAT.get(name)) for name in STRATEGIES)
+                       own_format=OWN_FORMAT.get(name), check=check) for name in STRATEGIES)
