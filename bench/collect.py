@@ -144,7 +144,9 @@ of its training rows instead (`clients.partition.held_out_split`). For FLITE the
 (`--seed-list`) on the validation split and drafts `protocol.json` (the best value per method and
 partition, the evaluation seeds, the margin, θ_pre's sha256); once it passes the check it is
 committed, and `--protocol protocol.json` evaluates under it, refusing a file that is not
-committed as it is, and its report names that commit.
+committed as it is, and its report names that commit. For SmartFed, `bench/smartfed_protocol.py`
+does the same over four arms (SmartFed's tuned preset, FedAvg-LoRA in fp32, in int4 — the
+byte-matched baseline — and warm-started from the same pool, `algorithm.lora.init=pool`).
 Reports made under the protocol say so in their first lines (the commit of their protocol
 file); the others were made before it existed: their tuning is described in each method's doc
 (docs/flite.md, docs/smartfed.md, docs/fednl.md), and docs/results.md marks each claim.

@@ -498,10 +498,7 @@ def draft_protocol(results: dict, args) -> dict:
         scores: dict[float, list[float]] = {}
         for run in runs:
             scores.setdefault(float(run["lr"]), []).append(float(run["final_accuracy"]))
-        best = protocol.best_on_grid(scores)
-        arms[f"{partition}/{method}"] = {
-            "grid": {"train.lr": sorted(scores)}, "best": {"train.lr": best},
-            "validation_accuracy": {f"{v:g}": round(sum(s) / len(s), 4) for v, s in sorted(scores.items())}}
+        arms[f"{partition}/{method}"] = protocol.arm_entry(scores, "train.lr")
     arms["theta-pre"] = {"no_training": True, "what": "round 0 of every evaluation run: θ_pre on the same test items"}
     s = results["settings"]
     return {
@@ -526,8 +523,8 @@ def tuning_report(results: dict, draft: dict, refusal: str | None, command: str)
         if arm.get("no_training"):
             continue
         cells = [f"**{acc:.4f}**" if float(v) == arm["best"]["train.lr"] else f"{acc:.4f}"
-                 for v, acc in arm["validation_accuracy"].items()]
-        lines.append(f"- {name}: " + ", ".join(f"lr {v} → {c}" for v, c in zip(arm["validation_accuracy"], cells)))
+                 for v, acc in arm["validation_score"].items()]
+        lines.append(f"- {name}: " + ", ".join(f"lr {v} → {c}" for v, c in zip(arm["validation_score"], cells)))
     by_partition: dict[str, list[float]] = {}
     for run in results["runs"].values():
         by_partition.setdefault(run["partition"], []).append(float(run["initial_accuracy"]))

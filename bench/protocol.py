@@ -114,6 +114,14 @@ def best_on_grid(scores: Mapping[float, Sequence[float]], *, higher_is_better: b
     return max(scores, key=lambda value: (sign * sum(scores[value]) / len(scores[value]), -value))
 
 
+def arm_entry(scores: Mapping[float, Sequence[float]], key: str, *, higher_is_better: bool = True) -> dict:
+    """One arm of a protocol file from its tuning runs (grid value -> a validation score per tuning seed):
+    its grid, its best value (:func:`best_on_grid`) and the mean validation score of every value."""
+    best = best_on_grid(scores, higher_is_better=higher_is_better)
+    return {"grid": {key: sorted(float(v) for v in scores)}, "best": {key: best},
+            "validation_score": {f"{v:g}": round(sum(s) / len(s), 4) for v, s in sorted(scores.items())}}
+
+
 def committed(path: Path) -> str:
     """The commit that last changed ``path``, refused when the file is not committed as it is now (an
     evaluation runs only under a protocol fixed in git beforehand, and its report names this commit)."""

@@ -211,3 +211,53 @@ def test_a_report_under_a_protocol_names_its_commit_and_carries_the_no_training_
     assert "committed at c0ffeec0ffee" in text and "| θ_pre (no training: round 0) |" in text
     assert "gain over θ_pre (no training)" in text and "flite-int4 +7.0 pp" in text
     assert "flite-int4 is -0.3 pp from fedavg-full" in text
+
+
+def fake_smartfed_runs(split: str, seeds, finals: dict) -> list[dict]:
+    """bench/smartfed_protocol.py runs: arm -> {value: final perplexity} (the same for every seed, plus seed/10)."""
+    return [{"arm": arm, "value": value, "seed": seed, "split": split, "metric": "perplexity", "initial_metric": 60.0,
+             "final_metric": final + seed / 10, "uplink_bytes_per_client_round": 1000, "run_dir": "r"}
+            for arm, values in finals.items() for value, final in values.items() for seed in seeds]
+
+
+def test_smartfed_tuning_drafts_a_checked_protocol_and_the_report_judges_by_the_one_rule():
+    import argparse
+
+    import smartfed_protocol as sp
+
+    tuning = fake_smartfed_runs("val", [100], {
+        "smartfed-tuned": {1e-3: 32.0, 3e-3: 30.5, 1e-2: 31.0}, "fedavg-lora": {1e-3: 31.3, 3e-3: 30.3, 1e-2: 30.9},
+        "fedavg-lora-int4": {1e-3: 31.4, 3e-3: 30.4, 1e-2: 31.5}})
+    args = argparse.Namespace(evaluation_seeds=[42, 43, 44], margin=0.0)
+    spec = sp.draft(tuning, args, {"model": "smollm2", "task": "shakespeare"})
+    check(spec)
+    assert spec["arms"]["fedavg-lora"]["best"] == {"train.lr": 3e-3}
+    assert spec["arms"]["smartfed-tuned"]["best"] == {"algorithm.lr.experts": 3e-3}
+    assert spec["arms"]["round-0"]["no_training"] and spec["tuning_seeds"] == [100]
+    edge = fake_smartfed_runs("val", [100], {"smartfed-tuned": {1e-3: 32.0, 3e-3: 30.5, 1e-2: 31.0},
+                                             "fedavg-lora": {1e-3: 31.3, 3e-3: 30.3, 1e-2: 29.9}})
+    with pytest.raises(ProtocolError, match="'fedavg-lora': its best train.lr = 0.01 sits at the edge"):
+        check(sp.draft(edge, args, {}))
+    evaluation = fake_smartfed_runs("test", [42, 43, 44], {"smartfed-tuned": {3e-3: 30.0}, "fedavg-lora": {3e-3: 31.0},
+                                                           "fedavg-lora-int4": {3e-3: 29.0}})
+    evaluation[0]["final_metric"] += 0.2  # spread, so the intervals have a width
+    text = sp.report({"command": "bench/smartfed_protocol.py --protocol p.json", "date": "today", "runs": evaluation,
+                      "protocol": {**spec, "file": "p.json", "commit": "f00d" * 10}})
+    assert "committed at f00df00df00d" in text and "| fedavg-lora | train.lr=0.003 | 3 | 60.00 |" in text
+    assert "vs fedavg-lora: -0.93 perplexity over 3 seeds" in text and "**met**" in text  # lower is better
+    assert "vs fedavg-lora-int4: +1.07" in text and "**not met**" in text
+
+
+def test_smartfed_protocol_refuses_unequal_budgets_and_an_uncommitted_protocol(tmp_path, capsys):
+    import smartfed_protocol as sp
+
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--tune", "--grid", "fedavg-lora=1e-3,3e-3,1e-2,3e-2"])
+    assert "the same tuning budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sp.parse_args([])
+    assert "say --tune" in capsys.readouterr().err
+    (tmp_path / "p.json").write_text(json.dumps(good()))
+    with pytest.raises(SystemExit) as exit_:
+        sp.parse_args(["--protocol", str(tmp_path / "p.json")])
+    assert exit_.value.code == 2 and "commit the protocol before the evaluation runs" in capsys.readouterr().err

@@ -1,0 +1,263 @@
+"""SmartFed against its baselines under the evidence protocol (docs/benchmarks.md, "Protocol"; issue #43).
+
+    .venv/bin/python bench/smartfed_protocol.py --tune --seed-list 100 --out docs/bench/smartfed-protocol
+    git add docs/bench/smartfed-protocol/protocol.json && git commit -m "SmartFed protocol"   # before evaluating
+    .venv/bin/python bench/smartfed_protocol.py --protocol docs/bench/smartfed-protocol/protocol.json \\
+        --out docs/bench/smartfed-protocol                  # resumable: the same command reads finished runs
+    .venv/bin/python bench/smartfed_protocol.py --quick     # the tuning step on the tiny Llama, 2 rounds (minutes)
+
+The scenario is ``bench/onboarding.py``'s: a knowledge pool of LoRA adapters from other domains
+(``postcard pool build``, the target's data checked absent), clients of a new domain (Shakespeare
+on four plays) join. Four arms, each tuned over a grid of the same size on a **validation split**
+(``task.eval_split=val``: carved from the clients' training windows; the test windows untouched)
+with the tuning seeds, then evaluated on disjoint seeds under the committed protocol file:
+
+===================  ===========================================================================
+smartfed-tuned       ``preset=smartfed-tuned``; grid over its experts' lr (``algorithm.lr.experts``)
+fedavg-lora          FedAvg-LoRA from scratch (fp32 updates); grid over ``train.lr``
+fedavg-lora-int4     the same through int4 updates: the byte-matched baseline (SmartFed sends int4)
+fedavg-lora-pool     FedAvg-LoRA warm-started from the same pool (``algorithm.lora.init=pool``): is
+                     SmartFed's gain the pool's knowledge or the expert mixture?
+===================  ===========================================================================
+
+Reported (``OUT/protocol-report.md`` and ``.json``): each arm's tuned value, held-out perplexity at
+round 0 (the no-training arm: the base model, for SmartFed the pool's mixture) and after the last
+round (mean ± 95% t-interval over the evaluation seeds), uplink bytes per client per round, and
+SmartFed − each baseline paired by seed with its verdict by ``protocol.verdict`` (one rule for
+"met"; the margin and kind are the protocol file's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import protocol  # noqa: E402  bench/protocol.py
+from smartfed import add_run_arguments, check_unseen, quick_argv, run_one  # noqa: E402  bench/smartfed.py
+
+# arm -> (algorithm, overrides, the tuned key, its default grid)
+ARMS = {
+    "smartfed-tuned": ("smartfed", ["preset=smartfed-tuned"], "algorithm.lr.experts", (1e-3, 3e-3, 1e-2)),
+    "fedavg-lora": ("fedavg-lora", [], "train.lr", (1e-3, 3e-3, 1e-2)),
+    "fedavg-lora-int4": ("fedavg-lora", ["algorithm.payload=int4"], "train.lr", (1e-3, 3e-3, 1e-2)),
+    "fedavg-lora-pool": ("fedavg-lora", ["algorithm.lora.init=pool"], "train.lr", (1e-3, 3e-3, 1e-2)),
+}
+METHOD = "smartfed-tuned"  # the arm every other is compared with
+SETTINGS = ("model", "task", "rounds", "clients", "steps", "lr", "eval_batches", "pool_sources", "pool_rounds",
+            "pool_steps")
+
+
+def log(message: str) -> None:
+    print(f"[smartfed-protocol {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_run_arguments(p)
+    p.set_defaults(rounds=8, clients=4)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--tune", action="store_true", help="score every grid value of every arm on the validation split "
+                   "over --seed-list and draft OUT/protocol.json (a later call adds runs: a grid extended)")
+    p.add_argument("--grid", action="append", default=[], metavar="ARM=V1,V2,...",
+                   help="with --tune: the values of one arm's tuned key (default: "
+                        + "; ".join(f"{a} {k} {','.join(f'{v:g}' for v in g)}" for a, (_, _, k, g) in ARMS.items()) + ")")
+    p.add_argument("--seed-list", type=int, nargs="+", default=None, metavar="SEED",
+                   help="with --tune: the tuning seeds (default 100)")
+    p.add_argument("--evaluation-seeds", type=int, nargs="+", default=[42, 43, 44], metavar="SEED",
+                   help="with --tune: the evaluation seeds the protocol names (default 42 43 44)")
+    p.add_argument("--margin", type=float, default=0.0,
+                   help="with --tune: the non-inferiority margin in perplexity points, as protocol.verdict reads it "
+                        "(default 0: at most the baseline's perplexity; -0.5: up to 0.5 worse still counts)")
+    p.add_argument("--protocol", type=Path, default=None, help="evaluate under this committed protocol file")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "smartfed-protocol")
+    p.add_argument("--runs-dir", type=Path, default=None,
+                   help="run folders (default: $POSTCARD_OUTPUTS or ./outputs, then bench-smartfed-protocol/)")
+    args = p.parse_args(quick_argv(argv, "smartfed-protocol"))
+    args.grids = {arm: tuple(ARMS[arm][3]) for arm in args.arms}
+    for item in args.grid:
+        arm, _, values = item.partition("=")
+        if arm not in ARMS:
+            p.error(f"--grid: unknown arm '{arm}'; choose from {', '.join(ARMS)}")
+        try:
+            args.grids[arm] = tuple(sorted({float(v) for v in values.split(",") if v.strip()}))
+        except ValueError:
+            p.error(f"--grid {item}: give numbers separated by commas")
+    if args.tune and len({len(g) for g in args.grids.values()}) > 1:
+        p.error(f"--grid: every arm needs as many values (the same tuning budget), got "
+                f"{ {a: len(g) for a, g in args.grids.items()} }")
+    if args.tune and args.protocol:
+        p.error("--tune drafts a protocol, --protocol evaluates under one: one at a time")
+    if args.quick and not (args.tune or args.protocol):  # a smoke test of the tuning step on the tiny Llama, whose
+        args.tune, args.seed_list = True, args.seed_list or [42]  # weights are its seed: the pool fits seed 42 only
+    if not (args.tune or args.protocol):
+        p.error("say --tune (tuning on the validation split) or --protocol FILE (the evaluation)")
+    args.seed_list = args.seed_list or [100]
+    if args.protocol is not None:
+        try:
+            spec = json.loads(args.protocol.read_text())
+            protocol.check(spec)
+            args.protocol_commit = protocol.committed(args.protocol)
+        except (OSError, json.JSONDecodeError, protocol.ProtocolError) as err:
+            p.exit(2, f"bench/smartfed_protocol.py --protocol: refused: {err}\n")
+        for key, value in (spec.get("settings") or {}).items():
+            setattr(args, key, value)
+        args.arms = [a for a in spec["arms"] if not spec["arms"][a].get("no_training")]
+        args.spec = spec
+    return args
+
+
+def setup(args) -> tuple[list[str], Path, list[str]]:
+    """The pool (built once; the target's data checked absent) and every run's common overrides."""
+    from fedapps.config import compose
+    from postcard import pool as pool_cli
+
+    runs_dir = (args.runs_dir or Path(os.environ.get("POSTCARD_OUTPUTS") or ROOT / "outputs")
+                / "bench-smartfed-protocol").expanduser().resolve()
+    common = [f"model={args.model}", f"output_dir={runs_dir}"]
+    pool_path = Path(args.pool).expanduser().resolve() if args.pool else runs_dir / f"pool-{args.model}"
+    sources = [s for s in args.pool_sources.split(",") if s]
+    pool_cli.build(sources, [*common, "seed=42", f"rounds={args.pool_rounds}", f"train.local_steps={args.pool_steps}",
+                             f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}"], pool=pool_path)
+    run = [*common, f"task={args.task}", f"rounds={args.rounds}", f"num_clients={args.clients}",
+           f"train.local_steps={args.steps}", f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}"]
+    held = check_unseen(pool_path, compose(run))
+    pooled = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]"]
+    return run, pool_path, pooled
+
+
+def one(args, run, pooled, arm: str, value: float, seed: int, split: str) -> dict:
+    algorithm, overrides, key, _ = ARMS[arm]
+    uses_pool = algorithm == "smartfed" or "algorithm.lora.init=pool" in overrides
+    tag = f"{arm}_{key.rsplit('.', 1)[-1]}{value:g}_s{seed}_{split}"
+    items = [*run, *overrides, *(pooled if uses_pool else []), f"{key}={value}", f"seed={seed}",
+             f"task.eval_split={'val' if split == 'val' else 'test'}", f"run_name=smartfed-protocol_{tag}"]
+    summary = run_one(algorithm, items, reuse=True)  # a finished run of exactly this configuration is read
+    return {"arm": arm, "value": value, "seed": seed, "split": split, "metric": summary["metric"],
+            "initial_metric": summary["initial_metric"], "final_metric": summary["final_metric"],
+            "uplink_bytes_per_client_round": summary["uplink_bytes_per_client_round"],
+            "run_dir": summary["run_dir"]}
+
+
+def draft(runs: list[dict], args, base_settings: dict) -> dict:
+    arms = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        scores: dict[float, list[float]] = {}
+        for r in runs:
+            if r["arm"] == arm:
+                scores.setdefault(float(r["value"]), []).append(float(r["final_metric"]))
+        arms[arm] = protocol.arm_entry(scores, ARMS[arm][2], higher_is_better=False)
+    arms["round-0"] = {"no_training": True, "what": "round 0 of every evaluation run: the base model (SmartFed: the "
+                                                    "pool's mixture) on the same test windows"}
+    return {"comparison": "SmartFed (preset=smartfed-tuned) vs FedAvg-LoRA fp32 / int4 / warm-started from the pool "
+                          "(bench/smartfed_protocol.py --protocol)",
+            "tuning_seeds": sorted({int(r["seed"]) for r in runs}), "evaluation_seeds": list(args.evaluation_seeds),
+            "split": "validation", "margin": float(args.margin), "kind": "non-inferiority",
+            "higher_is_better": False, "reference": METHOD, "settings": base_settings, "arms": arms,
+            "changes_after_results": []}
+
+
+def t_interval(values: list[float]) -> tuple[float, tuple[float, float] | None]:
+    from scipy import stats
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    half = float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5)
+    return mean, (mean - half, mean + half)
+
+
+def report(results: dict) -> str:
+    spec, runs = results["protocol"], results["runs"]
+    by_arm: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        by_arm.setdefault(r["arm"], {})[int(r["seed"])] = r
+    lines = [f"# SmartFed vs its baselines under the protocol ({spec['settings']['model']}, {spec['settings']['task']})",
+             "", f"Made by `{results['command']}`, {results['date']}, under `{spec['file']}` committed at "
+             f"{spec['commit'][:12]} before these runs: tuned on a validation split with seeds {spec['tuning_seeds']}, "
+             f"evaluated on seeds {spec['evaluation_seeds']} (held-out test windows); margin {spec['margin']:+g} "
+             f"perplexity ({spec['kind']}, lower is better). Changes made after a result was seen: "
+             f"{'; '.join(spec.get('changes_after_results') or []) or 'none'}.", "",
+             "| arm | tuned value | seeds | perplexity, round 0 (no training) | final perplexity | uplink B/client/round |",
+             "|---|---|---:|---:|---:|---:|"]
+    for arm, seeds in by_arm.items():
+        entry = spec["arms"][arm]
+        key, value = next(iter(entry["best"].items()))
+        start = t_interval([r["initial_metric"] for r in seeds.values()])[0]
+        mean, interval = t_interval([r["final_metric"] for r in seeds.values()])
+        spread = f" ({interval[0]:.2f} to {interval[1]:.2f})" if interval else ""
+        lines.append(f"| {arm} | {key}={value:g} | {len(seeds)} | {start:.2f} | **{mean:.2f}**{spread} | "
+                     f"{statistics.fmean(r['uplink_bytes_per_client_round'] for r in seeds.values()):,.0f} |")
+    lines += ["", "## SmartFed − each baseline, paired by seed", ""]
+    ours = by_arm.get(METHOD, {})
+    for arm, seeds in by_arm.items():
+        if arm == METHOD:
+            continue
+        paired = sorted(set(ours) & set(seeds))
+        if not paired:
+            continue
+        diffs = [ours[s]["final_metric"] - seeds[s]["final_metric"] for s in paired]
+        mean, interval = t_interval(diffs)
+        verdict = protocol.verdict(mean, interval, float(spec["margin"]), kind=spec["kind"], higher_is_better=False)
+        span = f"95% interval {interval[0]:+.2f} to {interval[1]:+.2f}" if interval else "one seed: no interval"
+        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {len(paired)} seeds ({span}): **{verdict}**")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(shlex.quote(a) for a in ["bench/smartfed_protocol.py", *(sys.argv[1:] if argv is None else argv)])
+    run, pool_path, pooled = setup(args)
+    settings = {k: getattr(args, k) for k in SETTINGS}
+    if args.tune:
+        path = args.out / "tuning.json"
+        runs = json.loads(path.read_text())["runs"] if path.exists() else []
+        done = {(r["arm"], float(r["value"]), int(r["seed"])) for r in runs}
+        jobs = [(a, v, s) for a in args.arms for v in args.grids[a] for s in args.seed_list if (a, v, s) not in done]
+        for i, (arm, value, seed) in enumerate(jobs, 1):
+            log(f"[{i}/{len(jobs)}] {arm} {ARMS[arm][2]}={value:g}, seed {seed} (validation split)")
+            runs.append(one(args, run, pooled, arm, value, seed, "val"))
+            path.write_text(json.dumps({"runs": runs, "settings": settings, "command": command}, indent=1) + "\n")
+        spec = draft(runs, args, settings)
+        refusal = None
+        try:
+            protocol.check(spec)
+        except protocol.ProtocolError as err:
+            refusal = str(err)
+        (args.out / "protocol.json").write_text(json.dumps(spec, indent=1) + "\n")
+        for arm, entry in spec["arms"].items():
+            if not entry.get("no_training"):
+                log(f"{arm}: validation perplexity {entry['validation_score']}; best {entry['best']}")
+        log(f"protocol draft {args.out / 'protocol.json'}: " + (f"refused: {refusal}" if refusal else
+            "passes; commit it, then run --protocol on it"))
+        return 2 if refusal else 0
+    spec = {**args.spec, "file": str(args.protocol), "commit": args.protocol_commit}
+    runs = []
+    for seed in spec["evaluation_seeds"]:
+        for arm in args.arms:
+            value = next(iter(spec["arms"][arm]["best"].values()))
+            log(f"{arm} at {value:g}, seed {seed} (test split)")
+            runs.append(one(args, run, pooled, arm, float(value), int(seed), "test"))
+    results = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "protocol": spec, "runs": runs,
+               "pool": str(pool_path)}
+    (args.out / "protocol-report.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = report(results)
+    (args.out / "protocol-report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
