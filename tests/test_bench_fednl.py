@@ -299,3 +299,38 @@ def test_throughput_times_both_memory_heads_and_reports_the_ratio_with_its_sprea
     old = {k: v for k, v in tp.items() if k not in ("ratios", "memory_heads", "load_average")}  # an earlier run's JSON
     old["tokens_per_second"] = {"fednl": 231.0, "lora-qkv": 287.7}
     assert "memory heads side by side" not in render_report(parse_args([]), {"throughput": old}, "cmd")
+
+
+def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_gate(tmp_path, monkeypatch, capsys):
+    """The retrieval section on the tiny model (the real server loop in-process, tests/inprocess.py):
+    each algorithm trains on passkey prompts, its final global model scores the same held-out prompts,
+    FedNL is paired with the others, its gate α per layer per round is read from metrics.jsonl, and a
+    resumed invocation takes the scored runs instead of training again."""
+    from bench.fednl import retrieval
+    from tests import inprocess
+
+    monkeypatch.setattr(retrieval, "run", inprocess.run)
+    args = parse_args(["--quick", "--sections", "retrieval", "--passkey-lengths", "256",
+                       "--passkey-prompts", "4", "--retrieval-seeds", "1"])
+    assert (args.retrieval_window, args.retrieval_rounds, args.retrieval_seeds) == (16, 1, [1])
+    args.threads = 1
+    result = retrieval.section_retrieval(args, tmp_path)
+    runs = result["runs"]["1"]
+    assert list(runs) == ["fednl", "fednl-ablate", "fedavg-lora"]
+    assert all(r["per_length"]["256"][1] == 4 for r in runs.values())  # every model, the same 4 prompts
+    alphas = runs["fednl"]["gate_alpha_by_round"]
+    assert len(alphas) == 1 and len(alphas[0]) == 2 and 0 < alphas[0][0] < 1  # one round, two layers
+    assert runs["fedavg-lora"]["gate_alpha_by_round"] is None
+    assert set(result["paired"]["256"]) >= {"fednl-ablate", "fedavg-lora"}
+    assert result["paired"]["256"]["fednl-ablate"]["prompts"] == 4
+    text = retrieval.retrieval_lines(result)
+    assert "| fednl | 1 |" in text and "gate α per layer" in text and "target FedNL ≥ ablation + 20 pp" in text
+    # a second invocation resumes: nothing trains
+    monkeypatch.setattr(retrieval, "run", lambda cfg: pytest.fail("a scored run was trained again"))
+    args.retrieval_resume = tmp_path
+    again = retrieval.section_retrieval(args, tmp_path / "again")
+    assert again["runs"]["1"]["fednl"]["per_length"] == runs["fednl"]["per_length"]
+    for bad in (["--retrieval-window", "200"], ["--retrieval-algorithms", "fednl:ablate,fedavg-lora"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--sections", "retrieval", *bad])
+    assert "must exceed --retrieval-window (200)" in capsys.readouterr().err

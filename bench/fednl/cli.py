@@ -20,11 +20,14 @@ from .passkey import add_arguments as passkey_arguments
 from .passkey import finish_args as passkey_finish
 from .passkey import passkey_lines, section_passkey
 from .report import report, section_times
+from .retrieval import add_arguments as retrieval_arguments
+from .retrieval import finish_args as retrieval_finish
+from .retrieval import retrieval_lines, section_retrieval
 from .runs import MODULE, ROOT, log
 from .stream import section_stream, stream_worker
 from .throughput import section_throughput
 
-SECTIONS = ("mmlu", "niah", "lm", "stream", "throughput", "passkey")
+SECTIONS = ("mmlu", "niah", "lm", "stream", "throughput", "passkey", "retrieval")
 ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora", "fedala", "fedssi", "fednl:meta-rules", "fednl:gate",
               "fednl:ablate")
 NIAH_ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
@@ -98,6 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--lm-algorithms", default=",".join(LM_ALGORITHMS),
                    help="lm: FedNL, its ablation (the same window and sinks, memory off), fedavg-lora (full attention)")
     passkey_arguments(p)
+    retrieval_arguments(p)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of in-process measurements")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench-fednl"), help="folder for run folders and results")
@@ -132,6 +136,7 @@ def parse_args(argv=None):
             compose([*args.fednl_overrides, f"model={args.model}"], preset="fednl-cpu", algorithm="fednl")
         except ValueError as err:  # ConfigError (an unknown key, a value out of range)
             p.error(f"--fednl-overrides: {err}")
+    retrieval_finish(p, args)  # after --fednl-overrides is split
     args.niah_resume = Path(args.niah_resume) if args.niah_resume else None
     if args.niah_resume is not None and not args.niah_resume.is_dir():
         p.error(f"--niah-resume: no such folder {str(args.niah_resume)!r}")
@@ -225,6 +230,8 @@ def main(argv=None) -> None:
             results["lm"] = section_lm(args, out)
         elif section == "passkey":
             results["passkey"] = section_passkey(args, out)
+        elif section == "retrieval":
+            results["retrieval"] = section_retrieval(args, out)
         else:
             results["throughput"] = section_throughput(args)
         timings[section] = time.time() - t0
@@ -233,6 +240,7 @@ def main(argv=None) -> None:
     results["section_seconds"] = timings
     text = report(args, results, command)
     text += passkey_lines(results.get("passkey"))
+    text += retrieval_lines(results.get("retrieval"))
     text += section_times(timings)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "fednl-bench.md").write_text(text)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from .passkey import passkey_lines
+from .retrieval import retrieval_lines
 from .report import label_of, report, section_times
 from .runs import MODULE, ROOT, log
 
@@ -77,7 +78,8 @@ def render(args) -> None:
     for path in args.render.split(","):
         results = json.loads(Path(path).read_text())
         run_args = argparse.Namespace(**results["args"])
-        texts.append(report(run_args, results, command_of(results)) + passkey_lines(results.get("passkey")))
+        texts.append(report(run_args, results, command_of(results)) + passkey_lines(results.get("passkey"))
+                     + retrieval_lines(results.get("retrieval")))
         if "section_seconds" in results:
             texts[-1] += section_times(results["section_seconds"])
         if results.get("stream"):

@@ -1,0 +1,246 @@
+"""Section ``retrieval``: passkey retrieval past the window after federated training (issue #44,
+items 3 and 4), the comparison the ``passkey`` section's bounds prepare.
+
+For each seed of ``--retrieval-seeds`` and each algorithm of ``--retrieval-algorithms`` — FedNL
+(its softmax path limited to ``--retrieval-window`` tokens and ``--passkey-sink`` sinks), FedNL's
+ablation (the same window, memory off: LoRA on q/k/v at FedNL's bytes, the byte-matched windowed
+baseline) and fedavg-lora with full attention (the upper bound) — a federated run on
+``task=passkey`` (clients by filler, ``--retrieval-train-length``-token prompts), then its final
+global model scored prompt by prompt on every held-out prompt of that seed (``--passkey-prompts`` per
+length, the key ≥ ``--passkey-min-distance`` tokens back; ``--retrieval-split val`` scores the
+validation prompts instead, for tuning). Reported: exact match per model, length and seed; FedNL
+against its ablation and against the others, McNemar per seed and combined over seeds (the
+discordant pairs pooled); the share of the gap between the ablation and full attention FedNL
+recovers; FedNL's gate α per layer after every round (``metrics.jsonl``: is the memory used at all?).
+Targets (issue #44): FedNL ≥ its ablation + 20 pp with p < 0.01, and at least half the gap recovered.
+Each scored run keeps ``retrieval_items.npz`` in its folder; ``--retrieval-resume FOLDER`` takes the
+runs of an earlier (stopped) invocation that were scored, and trains only the others.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .runs import algorithm_overrides, load_trained, log, run, spec_key
+
+ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
+TARGET_GAIN, TARGET_P, TARGET_SHARE = 0.20, 0.01, 0.5
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--retrieval-algorithms", default=",".join(ALGORITHMS),
+                   help="retrieval: FedNL (windowed), its ablation (same window, memory off), fedavg-lora "
+                        "(full attention)")
+    p.add_argument("--retrieval-window", type=int, default=64, help="retrieval: FedNL's softmax window (+ sinks)")
+    p.add_argument("--retrieval-seeds", default="42", help="retrieval: comma list of seeds (>= 3 for the comparison)")
+    p.add_argument("--retrieval-rounds", type=int, default=3)
+    p.add_argument("--retrieval-steps", type=int, default=10, help="retrieval: local steps per round (1 prompt each)")
+    p.add_argument("--retrieval-clients", type=int, default=2, help="retrieval: clients (natural split: by filler)")
+    p.add_argument("--retrieval-train-length", type=int, default=512, help="retrieval: training prompt tokens")
+    p.add_argument("--retrieval-split", choices=("test", "val"), default="test",
+                   help="retrieval: score the test prompts, or the validation ones (tuning)")
+    p.add_argument("--retrieval-resume", default="",
+                   help="retrieval: an earlier run folder: its scored runs are taken, only the others train")
+
+
+def finish_args(p, args) -> None:
+    if args.smoke:
+        args.retrieval_rounds, args.retrieval_steps, args.retrieval_train_length = 1, 1, 256
+        args.retrieval_window = 16
+    try:
+        args.retrieval_seeds = [int(x) for x in str(args.retrieval_seeds).split(",") if x]
+    except ValueError:
+        p.error("--retrieval-seeds must be a comma list of integers")
+    args.retrieval_algorithms = [a for a in str(args.retrieval_algorithms).split(",") if a]
+    unknown = [a for a in args.retrieval_algorithms if a not in ALGORITHMS]
+    if unknown or "fednl:meta-rules" not in args.retrieval_algorithms or not args.retrieval_seeds:
+        p.error(f"--retrieval-algorithms: FedNL (fednl:meta-rules) and any of {ALGORITHMS}, and at least one "
+                f"seed; got {args.retrieval_algorithms}")
+    if args.passkey_min_distance <= args.retrieval_window:
+        p.error(f"--passkey-min-distance ({args.passkey_min_distance}) must exceed --retrieval-window "
+                f"({args.retrieval_window}): the key must lie beyond the softmax window")
+    if args.retrieval_train_length <= args.passkey_min_distance:
+        p.error("--retrieval-train-length must exceed --passkey-min-distance")
+    args.retrieval_resume = Path(args.retrieval_resume) if args.retrieval_resume else None
+    if args.retrieval_resume is not None and not args.retrieval_resume.is_dir():
+        p.error(f"--retrieval-resume: no such folder {str(args.retrieval_resume)!r}")
+
+
+def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = False):
+    """The training run of ``spec`` (clients by filler), or with ``scoring`` one client holding every
+    held-out prompt of the seed (the same prompts for every algorithm: they are seeded by split, seed,
+    filler and index)."""
+    from fedapps.config import compose
+
+    name, overrides = algorithm_overrides(spec)
+    overrides = [o for o in overrides if o != "algorithm.eval_local=true"] + ["algorithm.eval_local=false"]
+    if name == "fednl":
+        overrides += [f"algorithm.memory.window={args.retrieval_window}", f"algorithm.memory.sink={args.passkey_sink}",
+                      *args.fednl_overrides]
+    clients = 1 if scoring else args.retrieval_clients
+    fillers = args.passkey_fillers
+    held_out = args.passkey_prompts // len(fillers) * len(args.passkey_lengths)
+    per_filler = max(2, args.retrieval_rounds * args.retrieval_steps * max(1, clients // len(fillers)) + 1)
+    split = args.retrieval_split
+    lengths = ",".join(str(x) for x in args.passkey_lengths)
+    return compose(
+        [*overrides, f"model={args.model}", f"seed={seed}", f"train.lr={args.lr}", "train.batch_size=1",
+         "train.threads=1", "eval.batch_size=1", f"rounds={args.retrieval_rounds}", f"num_clients={clients}",
+         f"train.local_steps={args.retrieval_steps}", f"task.fillers=[{','.join(fillers)}]",
+         f"task.train_per_filler={per_filler}", f"task.train_lengths=[{args.retrieval_train_length}]",
+         f"task.{split}_per_filler={held_out}", f"task.{split}_lengths=[{lengths}]", f"task.eval_split={split}",
+         f"task.min_distance={args.passkey_min_distance}", "strategy.fraction_evaluate=0.0",
+         f"output_dir={out}", f"run_name=retrieval_{spec_key(spec)}_s{seed}"],
+        task="passkey", algorithm=name)
+
+
+def gate_by_round(run_dir) -> list[list[float]]:
+    """FedNL's global gate α per layer after every round (the server's record in metrics.jsonl)."""
+    from fedapps.outputs import read_metrics
+
+    return [list(r["gate_alpha"]) for r in read_metrics(run_dir) if r.get("gate_alpha")]
+
+
+def score(args, out: Path, spec: str, seed: int, summary: dict) -> dict:
+    """Every held-out prompt of the seed through the run's final global model, kept as
+    ``retrieval_items.npz`` in its folder: ``correct``, ``loss``, ``index``, ``length``, ``client``."""
+    import numpy as np
+
+    from clients.tasks import make_task
+
+    cfg = retrieval_cfg(args, out, spec, seed, scoring=True)
+    model, tokenizer = load_trained(retrieval_cfg(args, out, spec, seed), summary)
+    task = make_task(cfg, 0, 1, tokenizer)
+    items = task.items(model, 1, 0)
+    items["length"] = np.asarray([task.length_of(int(i)) for i in items["index"]], dtype=np.int64)
+    items["client"] = np.zeros(len(items["index"]), dtype=np.int64)
+    items = {k: v for k, v in items.items() if k in ("correct", "loss", "index", "length", "client")}
+    np.savez(Path(summary["run_dir"]) / "retrieval_items.npz", **items)
+    return items
+
+
+def section_retrieval(args, out: Path) -> dict:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"algorithms": args.retrieval_algorithms, "seeds": args.retrieval_seeds, "window": args.retrieval_window,
+              "sink": args.passkey_sink, "lengths": args.passkey_lengths, "split": args.retrieval_split,
+              "min_distance": args.passkey_min_distance, "model": args.model, "rounds": args.retrieval_rounds,
+              "steps": args.retrieval_steps, "clients": args.retrieval_clients,
+              "train_length": args.retrieval_train_length, "runs": {}}
+    items: dict[str, dict[str, dict]] = {}
+    for seed in args.retrieval_seeds:
+        for spec in args.retrieval_algorithms:
+            key = spec_key(spec)
+            earlier = args.retrieval_resume / f"retrieval_{key}_s{seed}" if args.retrieval_resume else None
+            if earlier is not None and (earlier / "retrieval_items.npz").is_file():
+                summary = {**json.loads((earlier / "summary.json").read_text()), "run_dir": str(earlier.resolve())}
+                with np.load(earlier / "retrieval_items.npz") as saved:
+                    scored = {k: saved[k] for k in saved.files}
+                log(f"retrieval {key}, seed {seed}: taken from {earlier}")
+            else:
+                cfg = retrieval_cfg(args, out, spec, seed)
+                log(f"retrieval: training {key}, seed {seed} ({cfg.rounds} rounds x {cfg.train.local_steps} steps "
+                    f"of {args.retrieval_train_length}-token prompts, {cfg.num_clients} clients)")
+                summary = run(cfg)
+                start = time.time()
+                scored = score(args, out, spec, seed, summary)
+                log(f"retrieval {key}, seed {seed}: {int(np.sum(scored['correct'] > 0.5))}/{len(scored['correct'])} "
+                    f"exact ({time.time() - start:.0f} s scoring)")
+            items.setdefault(str(seed), {})[key] = scored
+            result["runs"].setdefault(str(seed), {})[key] = {
+                "per_length": {str(n): [int(np.sum(scored["correct"][scored["length"] == n] > 0.5)),
+                                        int(np.sum(scored["length"] == n))] for n in args.passkey_lengths},
+                "gate_alpha_by_round": gate_by_round(summary["run_dir"]) if spec.startswith("fednl") else None,
+                "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
+                "run_dir": summary["run_dir"]}
+            (out / "retrieval.json").write_text(json.dumps(result, indent=2))
+    result["paired"] = paired(items, args.passkey_lengths)
+    (out / "retrieval.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def paired(items: dict[str, dict[str, dict]], lengths) -> dict:
+    """FedNL against each other model at each length: per seed McNemar (``postcard.compare``), and over
+    seeds the discordant pairs pooled (an exact binomial test), the accuracy difference, and for the
+    ablation the share of the ablation → full-attention gap FedNL recovers."""
+    import numpy as np
+    from scipy.stats import binomtest
+
+    from postcard.compare import compare
+
+    out: dict = {}
+    others = sorted({k for runs in items.values() for k in runs} - {"fednl"})
+    for length in lengths:
+        for ref in others:
+            per_seed, gains, losses, diffs, n = {}, 0, 0, [], 0
+            for seed, runs in items.items():
+                if "fednl" not in runs or ref not in runs:
+                    continue
+                sub = {name: {k: v[runs[name]["length"] == length] for k, v in runs[name].items()}
+                       for name in (ref, "fednl")}
+                if not len(sub[ref]["index"]):
+                    continue
+                row = compare(sub, ref, "accuracy")["runs"]["fednl"]["accuracy_diff"]
+                per_seed[seed] = row
+                gains += row["other_right_ref_wrong"]
+                losses += row["ref_right_other_wrong"]
+                diffs.append(row["mean"] * len(sub[ref]["index"]))
+                n += len(sub[ref]["index"])
+            if not per_seed:
+                continue
+            p = 1.0 if gains + losses == 0 else float(binomtest(gains, gains + losses, 0.5).pvalue)
+            out.setdefault(str(length), {})[ref] = {"per_seed": per_seed, "diff": float(np.sum(diffs) / n),
+                                                    "gained": gains, "lost": losses, "p_value": p, "prompts": n}
+        if "fednl-ablate" in out.get(str(length), {}) and "fedavg-lora" in out.get(str(length), {}):
+            acc = {name: float(np.mean(np.concatenate([runs[name]["correct"][runs[name]["length"] == length]
+                                                       for runs in items.values() if name in runs])))
+                   for name in ("fednl", "fednl-ablate", "fedavg-lora")}
+            gap = acc["fedavg-lora"] - acc["fednl-ablate"]
+            out[str(length)]["recovered"] = {"accuracy": acc, "share": (acc["fednl"] - acc["fednl-ablate"]) / gap
+                                             if gap > 0 else None}
+    return out
+
+
+def retrieval_lines(result: dict | None) -> str:
+    """The section's markdown: exact match per model, length and seed; FedNL paired; the targets; α."""
+    if not result:
+        return ""
+    lengths = [str(n) for n in result["lengths"]]
+    lines = ["", f"### Passkey retrieval after federated training ({result['model']}, {result['clients']} clients, "
+                 f"{result['rounds']} rounds x {result['steps']} steps of {result['train_length']}-token prompts; "
+                 f"FedNL and its ablation: window {result['window']} + {result['sink']} sinks; key >= "
+                 f"{result['min_distance']} tokens back; {result['split']} prompts)", "",
+             "| model | seed | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|---:|" + "---:|" * len(lengths)]
+    for seed, runs in result["runs"].items():
+        for key, r in runs.items():
+            lines.append(f"| {key} | {seed} | " + " | ".join(
+                f"{r['per_length'][n][0]}/{r['per_length'][n][1]}" for n in lengths) + " |")
+    for length, refs in (result.get("paired") or {}).items():
+        lines += ["", f"FedNL paired at {length} tokens (discordant pairs pooled over seeds, exact binomial):", ""]
+        for ref, row in refs.items():
+            if ref == "recovered":
+                continue
+            lines.append(f"- vs {ref}: {100 * row['diff']:+.1f} pp over {row['prompts']} prompts "
+                         f"({row['gained']} gained, {row['lost']} lost, p {row['p_value']:.2g})")
+        ablation, recovered = refs.get("fednl-ablate"), refs.get("recovered")
+        if ablation:
+            met = ablation["diff"] >= TARGET_GAIN and ablation["p_value"] < TARGET_P
+            lines.append(f"- target FedNL ≥ ablation + {100 * TARGET_GAIN:.0f} pp, p < {TARGET_P}: "
+                         f"**{'met' if met else 'not met'}**")
+        if recovered and recovered["share"] is not None:
+            lines.append(f"- share of the ablation → full-attention gap recovered: {recovered['share']:.0%} "
+                         f"(target ≥ {TARGET_SHARE:.0%}: **{'met' if recovered['share'] >= TARGET_SHARE else 'not met'}**)")
+    for seed, runs in result["runs"].items():
+        alphas = (runs.get("fednl") or {}).get("gate_alpha_by_round")
+        if alphas:
+            lines += ["", f"FedNL's gate α per layer after each round (seed {seed}):", "",
+                      "| round | " + " | ".join(f"L{i}" for i in range(len(alphas[0]))) + " |",
+                      "|---:|" + "---:|" * len(alphas[0])]
+            lines += [f"| {r} | " + " | ".join(f"{a:.3f}" for a in row) + " |" for r, row in enumerate(alphas, 1)]
+    return "\n".join(lines) + "\n"
