@@ -209,10 +209,8 @@ def config_for(args, method: str, partition: str, seed: int, lr: float | None = 
 def apply_protocol(args, parser) -> None:
     """Evaluation under a committed protocol file: its settings replace the command line's."""
     try:
-        spec = json.loads(args.protocol.read_text())
-        protocol.check(spec)
-        args.protocol_commit = protocol.committed(args.protocol)
-    except (OSError, json.JSONDecodeError, protocol.ProtocolError) as err:
+        spec, args.protocol_commit = protocol.load(args.protocol)
+    except protocol.ProtocolError as err:
         parser.exit(2, f"bench/flite.py --protocol: refused: {err}\n")
     settings = spec.get("settings") or {}
     for key in ("rounds", "steps", "batch_size", "clients", "base", "task"):
@@ -572,12 +570,7 @@ def main(argv=None) -> int:
         results["command"] = command
         (args.out / "tuning.json").write_text(json.dumps(results, indent=2) + "\n")
         draft = draft_protocol(results, args)
-        refusal = None
-        try:
-            protocol.check(draft)
-        except protocol.ProtocolError as err:
-            refusal = str(err)
-        (args.out / "protocol.json").write_text(json.dumps(draft, indent=2) + "\n")
+        refusal = protocol.write_draft(draft, args.out / "protocol.json")
         text = tuning_report(results, draft, refusal, command)
         (args.out / "tuning.md").write_text(text)
         print(text)

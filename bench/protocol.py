@@ -142,6 +142,27 @@ def committed(path: Path) -> str:
     return commit
 
 
+def load(path: Path) -> tuple[dict, str]:
+    """A protocol file an evaluation may run under: read, :func:`check`-ed and :func:`committed`;
+    returns (the protocol, its commit), or raises ProtocolError saying why not."""
+    try:
+        spec = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ProtocolError(f"cannot read {path}: {err}") from None
+    check(spec)
+    return spec, committed(path)
+
+
+def write_draft(spec: Mapping, path: Path) -> str | None:
+    """Write a drafted protocol to ``path`` and return why :func:`check` refuses it (None: it passes)."""
+    Path(path).write_text(json.dumps(spec, indent=1) + "\n")
+    try:
+        check(spec)
+    except ProtocolError as err:
+        return str(err)
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Check a protocol file before its evaluation runs.")
     sub = parser.add_subparsers(dest="command", required=True)

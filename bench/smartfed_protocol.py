@@ -105,10 +105,8 @@ def parse_args(argv=None):
     args.seed_list = args.seed_list or [100]
     if args.protocol is not None:
         try:
-            spec = json.loads(args.protocol.read_text())
-            protocol.check(spec)
-            args.protocol_commit = protocol.committed(args.protocol)
-        except (OSError, json.JSONDecodeError, protocol.ProtocolError) as err:
+            spec, args.protocol_commit = protocol.load(args.protocol)
+        except protocol.ProtocolError as err:
             p.exit(2, f"bench/smartfed_protocol.py --protocol: refused: {err}\n")
         for key, value in (spec.get("settings") or {}).items():
             setattr(args, key, value)
@@ -230,12 +228,7 @@ def main(argv=None) -> int:
             runs.append(one(args, run, pooled, arm, value, seed, "val"))
             path.write_text(json.dumps({"runs": runs, "settings": settings, "command": command}, indent=1) + "\n")
         spec = draft(runs, args, settings)
-        refusal = None
-        try:
-            protocol.check(spec)
-        except protocol.ProtocolError as err:
-            refusal = str(err)
-        (args.out / "protocol.json").write_text(json.dumps(spec, indent=1) + "\n")
+        refusal = protocol.write_draft(spec, args.out / "protocol.json")
         for arm, entry in spec["arms"].items():
             if not entry.get("no_training"):
                 log(f"{arm}: validation perplexity {entry['validation_score']}; best {entry['best']}")
