@@ -136,7 +136,8 @@ def parse_args(argv=None):
                    help="evaluate under this committed protocol file (its methods, partitions, tuned learning "
                         "rates, evaluation seeds, rounds/steps/clients and θ_pre; refused when it fails "
                         "bench/protocol.py check, is not committed as it is, or θ_pre differs); the report names "
-                        "its commit; the same command again resumes: runs already in OUT/flite.json are kept")
+                        "its commit; the same command again resumes: runs already in OUT/flite.json are kept; "
+                        "--methods / --partitions run a part of its arms (seed by seed)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
     lrs = {m: v for m, (_, _, v) in METHODS.items()}
@@ -227,7 +228,12 @@ def apply_protocol(args, parser) -> None:
         args.partition_lrs[(partition, method)] = float(arm["best"]["train.lr"])
         methods.append(method)
         partitions.append(partition)
-    args.methods, args.partitions = list(dict.fromkeys(methods)), list(dict.fromkeys(partitions))
+    chosen = args.methods if args.methods != list(METHODS) else None  # --methods given: a part of the protocol's arms
+    args.methods = [m for m in dict.fromkeys(methods) if chosen is None or m in chosen]
+    args.partitions = [p for p in dict.fromkeys(partitions) if p in args.partitions]
+    if not args.methods or not args.partitions:
+        parser.exit(2, f"bench/flite.py --protocol: --methods / --partitions leave none of the protocol's arms "
+                       f"({', '.join(a for a in spec['arms'] if '/' in a)})\n")
     args.seed_list, args.protocol_spec = [int(s) for s in spec["evaluation_seeds"]], spec
 
 
@@ -277,6 +283,8 @@ def run_all(args) -> dict:
     lrs = (lambda m: args.grid[m]) if args.tune else (lambda m: [None])
     jobs = [(p, m, seed, lr) for p in args.partitions for m in args.methods for lr in lrs(m)
             for seed in seeds_of(args, m)]
+    if resume and not args.tune:  # an evaluation in parts: every arm of a seed before the next seed
+        jobs.sort(key=lambda job: seeds_of(args, job[1]).index(job[2]))
     for done, (partition, method, seed, lr) in enumerate(jobs, 1):
         lr = lr_of(args, method, partition) if lr is None else lr
         key = f"{partition}/{method}/{lr:g}/{seed}" if args.tune else f"{partition}/{method}/{seed}"

@@ -182,6 +182,10 @@ def test_flite_evaluation_refuses_a_protocol_that_is_not_committed_or_fails_the_
     assert parsed.seed_list == [0, 1, 2] and (parsed.rounds, parsed.steps, parsed.task) == (8, 20, "fmnist")
     assert flite.lr_of(parsed, "flite-int4", "iid") == 3e-3 and flite.lr_of(parsed, "fedavg-full", "iid") == 1e-4
     assert all(m in flite.REPEATED or flite.seeds_of(parsed, m) == [0, 1, 2] for m in parsed.methods)
+    assert flite.parse_args([*args, "--methods", "fedavg-full"]).methods == ["fedavg-full"]  # a part of the arms
+    with pytest.raises(SystemExit) as exit_:
+        flite.parse_args([*args, "--partitions", "dirichlet"])
+    assert exit_.value.code == 2 and "leave none of the protocol's arms (iid/flite-int4" in capsys.readouterr().err
     draft["evaluation_seeds"] = [100, 1]  # overlaps the tuning seed
     (tmp_path / "protocol.json").write_text(json.dumps(draft))
     git(tmp_path, "commit", "-qam", "overlap")
