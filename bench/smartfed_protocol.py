@@ -100,6 +100,8 @@ def parse_args(argv=None):
         p.error("--tune drafts a protocol, --protocol evaluates under one: one at a time")
     if args.quick and not (args.tune or args.protocol):  # a smoke test of the tuning step on the tiny Llama, whose
         args.tune, args.seed_list = True, args.seed_list or [42]  # weights are its seed: the pool fits seed 42 only
+        if args.evaluation_seeds == [42, 43, 44]:
+            args.evaluation_seeds = [43]  # named in the draft only: --quick evaluates nothing
     if not (args.tune or args.protocol):
         p.error("say --tune (tuning on the validation split) or --protocol FILE (the evaluation)")
     args.seed_list = args.seed_list or [100]
