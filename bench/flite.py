@@ -280,6 +280,7 @@ def run_all(args) -> dict:
             raise SystemExit(f"bench/flite.py: {args.out / name} was made with other {', '.join(differ)}: "
                              "use another --out")
         results["runs"] = earlier["runs"]
+        results["commands"] = earlier.get("commands") or [c for c in [earlier.get("command")] if c]
     lrs = (lambda m: args.grid[m]) if args.tune else (lambda m: [None])
     jobs = [(p, m, seed, lr) for p in args.partitions for m in args.methods for lr in lrs(m)
             for seed in seeds_of(args, m)]
@@ -575,7 +576,8 @@ def main(argv=None) -> int:
     command = ("bench/flite.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))).strip()
     if args.tune:
         results = run_all(args)
-        results["command"] = command
+        results["commands"] = [*results.get("commands", []), command]  # every call that added runs
+        results["command"] = "; ".join(results["commands"])
         (args.out / "tuning.json").write_text(json.dumps(results, indent=2) + "\n")
         draft = draft_protocol(results, args)
         refusal = protocol.write_draft(draft, args.out / "protocol.json")
