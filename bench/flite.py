@@ -597,7 +597,8 @@ def main(argv=None) -> int:
         command = results.get("command", command)
     else:
         results = run_all(args)
-        results["command"] = command
+        results["commands"] = [*results.get("commands", []), command]  # an evaluation resumed: every part's call
+        results["command"] = "; ".join(results["commands"])
         (args.out / "flite.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "flite.png")
     text = report(results, results["command"], machine())
