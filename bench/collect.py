@@ -40,6 +40,10 @@ REPORTS = (
      "bench/flite.py --base public --seeds 5 ... --out docs/bench/flite-near (see Makefile; made in parts: docs/flite.md)", None),
     ("FLITE from a task-pretrained base (near regime, Fashion-MNIST)", DOCS / "bench" / "flite-near-fmnist" / "flite.md",
      "bench/flite.py --base public --task fmnist ... then --merge (see Makefile; made in parts: docs/flite.md)", None),
+    ("FLITE under the protocol (near regime, Fashion-MNIST): tuned on validation, evaluated on other seeds",
+     DOCS / "bench" / "flite-protocol-fmnist" / "flite.md",
+     "bench/flite.py --tune ... --out docs/bench/flite-protocol-fmnist (tuning.md), then --protocol "
+     "docs/bench/flite-protocol-fmnist/protocol.json (see Makefile; docs/flite.md)", None),
     ("A FLITE reply on the wire", DOCS / "bench" / "wire_bytes.md", "bench/wire_bytes.py", None),
     ("Causal-LM client memory: full logits vs the chunked output layer", DOCS / "bench" / "lm_memory" / "lm_memory.md",
      "bench/lm_memory.py", None),

@@ -128,6 +128,9 @@ def parse_args(argv=None):
     p.add_argument("--lr-grid", action="append", default=[], metavar="METHOD=V1,V2,...",
                    help="with --tune: the learning rates to try for one method (repeatable; every method the same "
                         "number of values: the same tuning budget)")
+    p.add_argument("--draft", default="protocol.json", metavar="NAME",
+                   help="with --tune: the drafted protocol's file name in OUT (e.g. protocol-iid.json for a protocol "
+                        "of the --partitions / --methods given only; default protocol.json)")
     p.add_argument("--evaluation-seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], metavar="SEED",
                    help="with --tune: the evaluation seeds written into the drafted protocol (default 0-4)")
     p.add_argument("--margin", type=float, default=-1.0,
@@ -502,6 +505,8 @@ def draft_protocol(results: dict, args) -> dict:
     every evaluation run shares, θ_pre's sha256 and the no-training arm."""
     arms = {}
     for (partition, method), runs in grouped(results).items():
+        if partition not in args.partitions or method not in args.methods:  # a protocol for a part of the runs
+            continue
         scores: dict[float, list[float]] = {}
         for run in runs:
             scores.setdefault(float(run["lr"]), []).append(float(run["final_accuracy"]))
@@ -580,13 +585,13 @@ def main(argv=None) -> int:
         results["command"] = "; ".join(results["commands"])
         (args.out / "tuning.json").write_text(json.dumps(results, indent=2) + "\n")
         draft = draft_protocol(results, args)
-        refusal = protocol.write_draft(draft, args.out / "protocol.json")
+        refusal = protocol.write_draft(draft, args.out / args.draft)
         text = tuning_report(results, draft, refusal, command)
         (args.out / "tuning.md").write_text(text)
         print(text)
-        log(f"tuning: {args.out / 'tuning.md'}; protocol draft: {args.out / 'protocol.json'}"
+        log(f"tuning: {args.out / 'tuning.md'}; protocol draft: {args.out / args.draft}"
             + (" (refused: extend the grid with another --tune call to the same --out)" if refusal else
-               " (commit it, then: bench/flite.py --protocol " + str(args.out / "protocol.json") + ")"))
+               " (commit it, then: bench/flite.py --protocol " + str(args.out / args.draft) + ")"))
         return 2 if refusal else 0
     if args.merge:
         results = merge(args.merge)

@@ -142,12 +142,36 @@ def fake_tuning(grid_scores: dict) -> dict:
     return {"runs": runs, "settings": settings, "base": {"sha256": "ab" * 32}}
 
 
+def draft_args(partitions=("iid", "dirichlet")):
+    import argparse
+
+    import flite
+
+    return argparse.Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0, partitions=list(partitions),
+                              methods=list(flite.METHODS))
+
+
+def test_a_protocol_may_cover_a_part_of_the_tuning_runs():
+    """--tune --partitions iid --draft protocol-iid.json: the IID arms only (Dirichlet's grids may still be
+    open: each protocol is checked on its own arms)."""
+    import flite
+
+    both = fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
+                        ("dirichlet", "flite-int4"): {1e-3: 0.89, 3e-3: 0.87, 1e-2: 0.84}})
+    with pytest.raises(ProtocolError, match="'dirichlet/flite-int4'.*sits at the edge"):
+        check(flite.draft_protocol(both, draft_args()))
+    iid = flite.draft_protocol(both, draft_args(["iid"]))
+    check(iid)
+    assert [a for a in iid["arms"] if "/" in a] == ["iid/flite-int4"]
+
+
 def test_tuning_drafts_a_protocol_that_the_check_passes_only_when_every_grid_brackets_its_best(tmp_path):
     import argparse
 
     import flite
 
-    args = argparse.Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0)
+    args = argparse.Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0, partitions=["iid", "dirichlet"],
+                              methods=list(flite.METHODS))
     inside = fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
                           ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}})
     draft = flite.draft_protocol(inside, args)
@@ -169,7 +193,7 @@ def test_flite_evaluation_refuses_a_protocol_that_is_not_committed_or_fails_the_
     args = ["--protocol", str(tmp_path / "protocol.json"), "--out", str(tmp_path / "out")]
     draft = flite.draft_protocol(fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
                                               ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}}),
-                                 __import__("argparse").Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0))
+                                 draft_args())
     (tmp_path / "protocol.json").write_text(json.dumps(draft))
     with pytest.raises(SystemExit) as exit_:
         flite.parse_args(args)
@@ -199,7 +223,7 @@ def test_a_report_under_a_protocol_names_its_commit_and_carries_the_no_training_
 
     spec = flite.draft_protocol(fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
                                              ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}}),
-                                __import__("argparse").Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0))
+                                draft_args())
     runs = {}
     for method, lr, finals in (("flite-int4", 3e-3, (0.86, 0.87, 0.88)), ("fedavg-full", 1e-4, (0.86, 0.88, 0.88))):
         for seed, final in enumerate(finals):
