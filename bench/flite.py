@@ -526,11 +526,11 @@ def draft_protocol(results: dict, args) -> dict:
     }
 
 
-def tuning_report(results: dict, draft: dict, refusal: str | None, command: str) -> str:
+def tuning_report(results: dict, draft: dict, refusal: str | None, command: str, name: str = "protocol.json") -> str:
     lines = [f"# Tuning on the validation split ({TASKS[results['settings']['task']]}, {BASES[results['settings']['base']]})",
              "", f"Made by `{command}`, {time.strftime('%Y-%m-%d')}: mean validation accuracy over tuning seeds "
              f"{draft['tuning_seeds']} (task.eval_split=val: carved from the clients' training rows; no test item "
-             "scored). **Bold**: the best value, written to protocol.json.", ""]
+             "scored). **Bold**: each grid's best value (a protocol file takes those of its arms).", ""]
     for name, arm in draft["arms"].items():
         if arm.get("no_training"):
             continue
@@ -542,7 +542,7 @@ def tuning_report(results: dict, draft: dict, refusal: str | None, command: str)
         by_partition.setdefault(run["partition"], []).append(float(run["initial_accuracy"]))
     lines += ["", "θ_pre (no training, round 0) on the same validation items: " + "; ".join(
         f"{partition} {sum(v) / len(v):.4f}" for partition, v in by_partition.items()) + ".",
-        "", f"protocol check: **{'refused: ' + refusal if refusal else 'passes'}**", ""]
+        "", f"protocol check of {name}: **{'refused: ' + refusal if refusal else 'passes'}**", ""]
     return "\n".join(lines)
 
 
@@ -586,7 +586,8 @@ def main(argv=None) -> int:
         (args.out / "tuning.json").write_text(json.dumps(results, indent=2) + "\n")
         draft = draft_protocol(results, args)
         refusal = protocol.write_draft(draft, args.out / args.draft)
-        text = tuning_report(results, draft, refusal, command)
+        every = argparse.Namespace(**{**vars(args), "partitions": list(PARTITIONS), "methods": list(METHODS)})
+        text = tuning_report(results, draft_protocol(results, every), refusal, results["command"], args.draft)
         (args.out / "tuning.md").write_text(text)
         print(text)
         log(f"tuning: {args.out / 'tuning.md'}; protocol draft: {args.out / args.draft}"
