@@ -523,10 +523,11 @@ def draft_protocol(results: dict, args) -> dict:
                      "overrides": [o for o in s["overrides"] if o != "task.eval_split=val"],
                      "base_sha256": (results.get("base") or {}).get("sha256")},
         "arms": arms, "changes_after_results": [],
+        "tuning_commands": list(results.get("commands") or [results.get("command")]),  # grids extended: later calls
     }
 
 
-def tuning_report(results: dict, draft: dict, refusal: str | None, command: str, name: str = "protocol.json") -> str:
+def tuning_report(results: dict, draft: dict, refusal: str | None, command: str, draft_name: str = "protocol.json") -> str:
     lines = [f"# Tuning on the validation split ({TASKS[results['settings']['task']]}, {BASES[results['settings']['base']]})",
              "", f"Made by `{command}`, {time.strftime('%Y-%m-%d')}: mean validation accuracy over tuning seeds "
              f"{draft['tuning_seeds']} (task.eval_split=val: carved from the clients' training rows; no test item "
@@ -542,7 +543,7 @@ def tuning_report(results: dict, draft: dict, refusal: str | None, command: str,
         by_partition.setdefault(run["partition"], []).append(float(run["initial_accuracy"]))
     lines += ["", "θ_pre (no training, round 0) on the same validation items: " + "; ".join(
         f"{partition} {sum(v) / len(v):.4f}" for partition, v in by_partition.items()) + ".",
-        "", f"protocol check of {name}: **{'refused: ' + refusal if refusal else 'passes'}**", ""]
+        "", f"protocol check of {draft_name}: **{'refused: ' + refusal if refusal else 'passes'}**", ""]
     return "\n".join(lines)
 
 
