@@ -130,6 +130,9 @@ bench: assets
 		fedavg-full-int4 topk-ef powersgd --runs outputs/bench-flite-fmnist --out outputs/bench-flite-fmnist-others
 	$(PY) bench/flite.py --merge outputs/bench-flite-fmnist-main/flite.json outputs/bench-flite-fmnist-others/flite.json \
 		--out docs/bench/flite-near-fmnist
+	# under the evidence protocol: the committed protocol's evaluation (its θ_pre must be this machine's: else refused)
+	$(PY) bench/flite.py --protocol docs/bench/flite-protocol-fmnist/protocol-iid.json \
+		--out outputs/bench-flite-protocol-fmnist-iid --runs outputs/bench-flite-protocol-fmnist-eval
 	$(PY) bench/wire_bytes.py
 	$(PY) bench/secagg.py
 	$(PY) bench/privacy.py
