@@ -415,9 +415,10 @@ def report(results: dict, command: str, machine: str) -> str:
         f"# FLITE vs full-weight and compressed-update baselines ({task}, MobileNetV2, {BASES[base]})",
         "",
         f"Made by `{command}` on {machine}, {time.strftime('%Y-%m-%d')}.",
-        f"{s['clients']} clients, {s['rounds']} rounds × {s['steps']} local steps of {s['batch_size']} images; "
-        f"{', '.join(REPEATED)} over the seeds counted in the table, the others seed 0; accuracy over every "
-        "client's held-out split after the last round (mean ± std over seeds).",
+        f"{s['clients']} clients, {s['rounds']} rounds × {s['steps']} local steps of {s['batch_size']} images; " +
+        (f"every arm over the protocol's evaluation seeds {results['protocol']['evaluation_seeds']}"
+         if results.get("protocol") else f"{', '.join(REPEATED)} over the seeds counted in the table, the others "
+         "seed 0") + "; accuracy over every client's held-out split after the last round (mean ± std over seeds).",
         "Uplink = payload bytes per client per round (the arrays' data); `count_bytes` = Flower's own count of "
         "the reply's records (arrays, metrics, keys); wire = the protobuf requests a SuperNode sends for the reply "
         "(`strategies.codec.wire_bytes`: metadata, object tree, one push per record/array/chunk; – for runs "
