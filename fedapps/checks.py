@@ -144,9 +144,11 @@ def _check_eval_split(task) -> None:
     """``task.eval_split``: ``test`` scores the test items; ``val`` a validation split carved from the
     clients' training data (``clients.partition.held_out_split``), for tuning (docs/benchmarks.md). A task
     without the key (mmlu, niah: their own fixed splits) refuses it as an unknown key."""
+    from clients.partition import EVAL_SPLITS  # numpy only: composing still imports no torch
+
     which = task.get("eval_split", "test")
-    if which not in ("test", "val"):
-        raise ConfigError(f"task.eval_split must be test or val, got {which!r}")
+    if which not in EVAL_SPLITS:
+        raise ConfigError(f"task.eval_split must be {' or '.join(EVAL_SPLITS)}, got {which!r}")
     fraction = task.get("val_fraction")
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                  or not 0 < fraction < 1):

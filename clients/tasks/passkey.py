@@ -34,6 +34,7 @@ import bisect
 import random
 from collections.abc import Sequence
 
+from clients.partition import EVAL_SPLITS
 from clients.tasks.niah import _take_filler, filler_units, fit_to_length, token_counter
 
 FILLERS = ("grass", "shakespeare")
@@ -170,8 +171,8 @@ def task_settings(cfg) -> dict:
     if unknown or not fillers or len(set(fillers)) != len(fillers):
         raise TaskError(f"task.fillers must be distinct names from {FILLERS}, got {fillers}")
     held_out = str(task.get("eval_split", "test"))
-    if held_out not in ("val", "test"):
-        raise TaskError(f"task.eval_split must be test or val, got {held_out!r}")
+    if held_out not in EVAL_SPLITS:
+        raise TaskError(f"task.eval_split must be {' or '.join(EVAL_SPLITS)}, got {held_out!r}")
     lengths = {"train": _lengths(task.train_lengths, "train_lengths"),
                held_out: _lengths(task.get(f"{held_out}_lengths"), f"{held_out}_lengths")}
     counts = {"train": int(task.train_per_filler), held_out: int(task.get(f"{held_out}_per_filler") or 0)}
