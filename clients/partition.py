@@ -6,11 +6,20 @@ whatever form suits it. All three are flwr-datasets' partitioners over a small
 ``datasets.Dataset`` of example indices: ``iid`` and ``dirichlet`` over the labels,
 ``natural`` (``NaturalIdPartitioner``) over each example's client, which gives each client
 whole natural groups (client ``j`` gets groups ``j, j+N, j+2N, ...`` in the task's order).
+
+A client's indices are cached on disk (:func:`cached_partition`): importing flwr-datasets (with
+``datasets``, scipy and seaborn behind it) costs 2-3 s, and a stock Flower deployment starts a fresh
+process for every message (docs/deploy.md, section 9), so only a client's first message pays it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -49,6 +58,79 @@ def partition_indices(
     if not 0 <= partition_id < num_partitions:
         raise PartitionError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
     labels = np.asarray(labels)
+    if method == "dirichlet" and alpha <= 0:
+        raise PartitionError(f"dirichlet alpha must be > 0, got {alpha}")
+    settings = {"method": method, "num_partitions": num_partitions, "partition_id": partition_id,
+                "natural_order": None if natural_order is None else [str(g) for g in natural_order]}
+    if method != "natural":
+        settings["seed"] = int(seed)
+    if method == "dirichlet":
+        settings.update(alpha=float(alpha), min_partition_size=int(min_partition_size))
+    return cached_partition(labels, settings, lambda: _compute(labels, method, num_partitions, partition_id, seed,
+                                                                alpha, min_partition_size, natural_order))
+
+
+def partition_cache_dir() -> Path | None:
+    """Where :func:`cached_partition` keeps indices: ``$POSTCARD_PARTITION_CACHE``, else
+    ``partitions/`` in the asset cache (``$POSTCARD_CACHE``); ``off`` keeps none."""
+    chosen = os.environ.get("POSTCARD_PARTITION_CACHE", "")
+    if chosen.lower() == "off":
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    from clients.assets import cache_dir
+
+    return cache_dir() / "partitions"
+
+
+def _partition_key(labels: np.ndarray, settings: dict) -> str:
+    """Everything a partition depends on: the labels (with their type), the settings, this module's
+    code and the versions of the libraries that draw it (a new flwr-datasets may draw differently:
+    a new key, not a stale hit)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    h.update(Path(__file__).read_bytes())
+    h.update(labels.dtype.str.encode())
+    for package in ("flwr-datasets", "datasets"):
+        try:
+            h.update(f"{package}={version(package)};".encode())
+        except PackageNotFoundError:
+            h.update(f"{package}=none;".encode())
+    h.update(str(len(labels)).encode())
+    for label in labels.tolist():
+        h.update(str(label).encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def cached_partition(labels: np.ndarray, settings: dict, compute) -> np.ndarray:
+    """``compute()``'s indices, read from the partition cache when an earlier process stored them
+    for the same labels and settings; stored after computing (atomically: clients of one machine
+    may race, and the last writer wins with the same bytes). A cache that cannot be read or
+    written is skipped: the indices are computed as without one."""
+    folder = partition_cache_dir()
+    if folder is None:
+        return compute()
+    path = folder / f"{_partition_key(labels, settings)}.npy"
+    try:
+        cached = np.load(path, allow_pickle=False)
+        if cached.dtype == np.int64 and cached.ndim == 1 and (len(cached) == 0 or 0 <= cached.min() <= cached.max() < len(labels)):
+            return cached
+    except (OSError, ValueError):
+        pass
+    indices = compute()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
+            np.save(handle, indices, allow_pickle=False)
+        os.replace(handle.name, path)
+    except OSError:
+        pass
+    return indices
+
+
+def _compute(labels: np.ndarray, method: str, num_partitions: int, partition_id: int, seed: int, alpha: float,
+             min_partition_size: int, natural_order) -> np.ndarray:
     from datasets import Dataset
 
     if method == "natural":
@@ -61,8 +143,6 @@ def partition_indices(
     if method == "iid":
         partitioner = IidPartitioner(num_partitions=num_partitions)
     else:
-        if alpha <= 0:
-            raise PartitionError(f"dirichlet alpha must be > 0, got {alpha}")
         partitioner = DirichletPartitioner(
             num_partitions=num_partitions,
             partition_by="label",

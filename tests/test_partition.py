@@ -1,4 +1,10 @@
-"""Partitions: sizes, disjointness, determinism; Dirichlet skew grows as alpha falls."""
+"""Partitions: sizes, disjointness, determinism; Dirichlet skew grows as alpha falls; the disk
+cache a fresh process reads instead of importing flwr-datasets."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +14,13 @@ from omegaconf import OmegaConf
 from clients.partition import PartitionError, held_out_split, natural_groups, partition_indices, train_test_split
 
 LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 10 balanced labels
+
+
+@pytest.fixture(autouse=True)
+def no_partition_cache(monkeypatch):
+    """Every test here computes its partitions (determinism is not read back from a cache);
+    the cache's own tests point it at a folder."""
+    monkeypatch.setenv("POSTCARD_PARTITION_CACHE", "off")
 
 
 def parts(method, n=5, seed=0, **kw):
@@ -102,3 +115,66 @@ def test_natural_gives_each_client_its_whole_groups_in_the_tasks_order_and_nothi
                                     natural_order=order)
             np.testing.assert_array_equal(got, np.flatnonzero(np.isin(labels, groups)))
     assert capsys.readouterr().err == ""  # no progress bar per client
+
+
+CHILD = """
+import json, sys
+import numpy as np
+from clients.partition import partition_indices
+labels = np.repeat(np.arange(10), 100)
+kw = json.loads(sys.argv[1])
+got = partition_indices(labels, partition_id=1, **kw)
+print(json.dumps({"indices": got.tolist(), "imported": "flwr_datasets" in sys.modules}))
+"""
+
+
+def fresh_process(cache, **kw):
+    import json
+
+    env = {**os.environ, "POSTCARD_PARTITION_CACHE": str(cache), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kw)], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_later_process_reads_its_partition_from_the_cache_without_importing_flwr_datasets(tmp_path):
+    kw = {"method": "dirichlet", "num_partitions": 4, "seed": 3, "alpha": 0.3}
+    first, second = fresh_process(tmp_path, **kw), fresh_process(tmp_path, **kw)
+    assert first["imported"] and not second["imported"]
+    assert first["indices"] == second["indices"]
+    expected = partition_indices(LABELS, partition_id=1, **kw)  # computed here: the cache is off
+    assert second["indices"] == expected.tolist()
+    assert len(list(tmp_path.glob("*.npy"))) == 1
+
+
+def test_the_cache_key_holds_every_setting_and_the_labels(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTCARD_PARTITION_CACHE", str(tmp_path))
+    base = {"method": "dirichlet", "num_partitions": 4, "partition_id": 1, "seed": 3, "alpha": 0.3}
+    variants = [base, {**base, "seed": 4}, {**base, "alpha": 0.5}, {**base, "partition_id": 2},
+                {**base, "num_partitions": 5}, {**base, "min_partition_size": 5}, {**base, "method": "iid"}]
+    for kw in variants:
+        got = partition_indices(LABELS, **kw)
+        monkeypatch.setenv("POSTCARD_PARTITION_CACHE", "off")
+        assert np.array_equal(got, partition_indices(LABELS, **kw)), kw
+        monkeypatch.setenv("POSTCARD_PARTITION_CACHE", str(tmp_path))
+    other_labels = LABELS[::-1].copy()
+    got = partition_indices(other_labels, **base)
+    monkeypatch.setenv("POSTCARD_PARTITION_CACHE", "off")
+    assert np.array_equal(got, partition_indices(other_labels, **base))
+    assert len(list(tmp_path.glob("*.npy"))) == len(variants) + 1
+
+
+def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTCARD_PARTITION_CACHE", str(tmp_path))
+    kw = {"method": "iid", "num_partitions": 4, "partition_id": 0, "seed": 0}
+    good = partition_indices(LABELS, **kw)
+    (entry,) = tmp_path.glob("*.npy")
+    entry.write_bytes(b"not an array")
+    assert np.array_equal(partition_indices(LABELS, **kw), good)
+    np.save(entry, np.array([5_000], dtype=np.int64))  # out of range for these labels
+    assert np.array_equal(partition_indices(LABELS, **kw), good)
+    assert np.array_equal(np.load(entry), good)  # rewritten
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("POSTCARD_PARTITION_CACHE", str(blocker / "below"))  # cannot be created
+    assert np.array_equal(partition_indices(LABELS, **kw), good)
