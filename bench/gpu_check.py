@@ -28,7 +28,9 @@ What it measures, each section on its own (a failing section is reported, the ot
    1K) for each available form.
 4. **deployment**: for FLITE, FedNL and SmartFed a 2-round federated run in deployment mode:
    one SuperLink, two SuperNodes on this machine (TLS, node authentication, no Ray;
-   ``postcard.deploy.run_local``), Shakespeare; SmartFed from a one-adapter pool made here.
+   ``postcard.deploy.run_local``), each with a warm node worker (``postcard.worker``: the report
+   counts the messages it served and the models it built), Shakespeare; SmartFed from a
+   one-adapter pool made here.
 
 Written to ``--out``: ``report.json`` and ``report.md``.
 """
@@ -289,12 +291,24 @@ def deployment(settings: Settings, device: torch.device, out: Path) -> list[dict
         code = run_local(2, config, work / "runs", folder=work / f"cluster-{method}")
         summary_path = work / "runs" / method / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        rows.append({"method": method, "exit": code, "seconds": round(time.time() - start, 1),
+        served = worker_counts(work / f"cluster-{method}" / "logs")
+        rows.append({"method": method, "exit": code, "seconds": round(time.time() - start, 1), **served,
                      "rounds": summary.get("rounds"), "metric": summary.get("metric"),
                      "initial": summary.get("initial_metric"), "final": summary.get("final_metric"),
                      "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round")})
         print(f"[deployment] {method}: exit {code}, {rows[-1]}", flush=True)
     return rows
+
+
+def worker_counts(logs: Path) -> dict:
+    """What the warm node workers (``postcard.worker``, run_local's default) report: messages served
+    and models built, summed over the nodes; a warm deployment builds one model per node and run."""
+    served = builds = 0
+    for path in sorted(logs.glob("worker-*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        served += len(events)
+        builds += max((int(e.get("builds", 0)) for e in events), default=0)
+    return {"worker_messages": served, "worker_model_builds": builds}
 
 
 # ---------------------------------------------------------------------------- the report
@@ -330,10 +344,12 @@ def markdown(report: dict) -> str:
         lines.append("")
     deploy = report["sections"].get("deployment", {}).get("rows")
     if deploy:
-        lines += ["## Deployment (SuperLink + 2 SuperNodes, 2 rounds)", "", "| method | exit | seconds | metric | "
-                  "round 0 | final | uplink B/client/round |", "|---|---|---|---|---|---|---|"]
+        lines += ["## Deployment (SuperLink + 2 SuperNodes with warm node workers, 2 rounds)", "",
+                  "| method | exit | seconds | metric | round 0 | final | uplink B/client/round | messages served | "
+                  "models built |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['exit']} | {r['seconds']} | {r['metric']} | {r['initial']} | {r['final']} | "
-                  f"{r['uplink_bytes_per_client_round']} |" for r in deploy]
+                  f"{r['uplink_bytes_per_client_round']} | {r.get('worker_messages', '')} | "
+                  f"{r.get('worker_model_builds', '')} |" for r in deploy]
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -49,6 +49,11 @@ def test_the_deployment_section_composes_each_methods_run_and_reports_it(tmp_pat
         run.mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({"rounds": 2, "metric": "perplexity", "initial_metric": 9.0,
                                                       "final_metric": 8.0, "uplink_bytes_per_client_round": 648}))
+        logs = Path(folder) / "logs"  # what each warm node worker writes, one line per message served
+        logs.mkdir(parents=True)
+        for node in range(nodes):
+            (logs / f"worker-{node}.jsonl").write_text("".join(json.dumps({"served": k, "builds": 1}) + "\n"
+                                                               for k in range(1, 6)))
         return 0
 
     monkeypatch.setattr("postcard.deploy.run_local", fake_run_local)
@@ -56,6 +61,7 @@ def test_the_deployment_section_composes_each_methods_run_and_reports_it(tmp_pat
                                                                model_path=None))
     rows = gpu_check.deployment(settings, gpu_check.torch.device("cpu"), tmp_path)
     assert [r["method"] for r in rows] == ["flite", "fednl", "smartfed"] and all(r["exit"] == 0 for r in rows)
+    assert all(r["worker_messages"] == 10 and r["worker_model_builds"] == 2 for r in rows)
     assert all(c.rounds == 2 and c.num_clients == 2 and c.model.name == "tiny-llama" for c in seen)
 
 
