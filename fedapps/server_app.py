@@ -8,8 +8,10 @@ not fit) is logged as one line instead: the error's own message names the fix.
 from __future__ import annotations
 
 import logging
+from logging import INFO
 
 from flwr.app import Context
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from clients.adapters import AdapterError
@@ -51,4 +53,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    from postcard.pulls import prompt_object_pulls
+
+    log(INFO, "ServerApp: %s", prompt_object_pulls())  # a reply's objects: retried promptly (docs/deploy.md §9)
     run_server(grid, compose_from_run_config(context.run_config))

@@ -34,7 +34,9 @@ How it keeps the cold path's behaviour (docs/deploy.md §9):
 
 It relies on Flower internals, so it refuses any flwr other than the one it was written for
 (one line, exit status 2). ``--events FILE`` appends one JSON line per message (process id,
-run, FAB hash, models built so far, seconds): what the tests and bench/overhead.py read.
+run, FAB hash, models built so far, seconds, and the seconds of its steps: pulling the
+message, loading the app, the ClientApp, pushing the reply): what the tests and
+bench/overhead.py read.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from postcard.pulls import prompt_object_pulls
 
 FLWR_VERSION = "1.42.0"  # the Flower whose internals this module uses (see the module docstring)
 STARTED = time.time()  # when this program started (a re-execution keeps the pid, not this)
@@ -237,6 +241,7 @@ class Server:
         from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
         start = time.perf_counter()
+        stages = {}  # seconds per step: what a message costs outside the ClientApp, for bench/overhead.py
         if run_id != self.run_id:
             if self.run_id is not None:
                 self.evict(f"run {run_id} replaces run {self.run_id}")
@@ -249,6 +254,7 @@ class Server:
             with Heartbeat(client) as heartbeat:
                 try:
                     message, context, run, fab = pull_task_input(PullGuard(client, self.superseded))
+                    stages["pull"] = time.perf_counter() - start
                     if self.loaded_fab and fab.hash_str != self.loaded_fab:  # the task named no FAB hash
                         self.restart = True
                         raise RuntimeError(f"this worker process imported FAB {self.loaded_fab[:12]}, not "
@@ -262,7 +268,10 @@ class Server:
                     session = sys.modules.get("fedapps.session")
                     if session is not None:
                         session.SCOPE = (run.run_id, fab.hash_str)
+                    mark = time.perf_counter()
+                    stages["load"] = mark - start - stages["pull"]
                     reply = client_app(message=message, context=context)
+                    stages["app"] = time.perf_counter() - mark
                     sub_status, details = SubStatus.COMPLETED, ""
                 except Exception as ex:  # noqa: BLE001  (as flwr-clientapp: an error reply)
                     failed = True
@@ -280,10 +289,12 @@ class Server:
                     reply = None
                     failed = True
                 elif reply is not None and context is not None:
+                    mark = time.perf_counter()
                     try:
                         push_message(client, reply, context)
                     except Exception as ex:  # noqa: BLE001
                         _log(f"failed to push the reply: {type(ex).__name__}: {ex}")
+                    stages["push"] = time.perf_counter() - mark
                 push_task_output(client=client, context=context, sub_status=sub_status, details=details)
         finally:
             client.close()
@@ -295,7 +306,8 @@ class Server:
         event = {"pid": os.getpid(), "started": STARTED, "run": run_id, "fab": fab_hash or self.loaded_fab,
                  "served": self.served,
                  "builds": getattr(session, "BUILDS", 0), "status": sub_status,
-                 "seconds": round(time.perf_counter() - start, 3), "time": time.time()}
+                 "seconds": round(time.perf_counter() - start, 3), "time": time.time(),
+                 "stages": {k: round(v, 3) for k, v in stages.items()}}
         _log(f"message {self.served} of this process (run {run_id}): {sub_status} in {event['seconds']:.2f} s; "
              f"models built by this process: {event['builds']}")
         if self.args.events:
@@ -341,6 +353,7 @@ def serve(args) -> int:
     if args.parent_pid:
         watch_parent(args.parent_pid)
     preload(args.preload)
+    _log(prompt_object_pulls())
     Server(args).loop()
     return 0
 
