@@ -10,7 +10,11 @@ One SuperNode (``flower-supernode --isolation process``) with its warm worker in
 3. run C, A's config from another FAB (the app with one more comment line): the worker
    re-executes itself before running it (a new program, one model build); its process is
    killed after the first message, the supervisor starts a new one and the run completes
-   with model outputs bit-identical to A's (A trained warm, C in a freshly started process).
+   with model outputs bit-identical to A's (A trained warm, C in a freshly started process);
+4. (with ``POSTCARD_DEPLOY_ALL=1``: ~2 min more) run D, two rounds, whose SuperLink is killed
+   after round 1's checkpoint and restarted: the same worker serves the resumed run (its
+   SuperNode may first hold a task of the killed run whose message never arrives: the worker
+   gives way to the newer task, docs/deploy.md section 9), which continues from round 2.
 
 110-140 s on this 2-core machine shared with other jobs (load average 3-7; each run starts a
 ServerApp process too). Every process is stopped by its pid at the end.
@@ -29,7 +33,7 @@ import pytest
 from fedapps.outputs import read_metrics
 from postcard import worker
 from postcard.deploy import ROOT, LoopbackCluster, kill_tree
-from test_deploy import only_run, wait_for
+from test_deploy import checkpoint_round, only_run, wait_for
 
 # the run's config: the tiny Llama, one client, one round of 2 steps, one evaluation batch
 BASE = "num_clients=1 rounds=1 train.local_steps=2 eval.max_batches=1"
@@ -265,6 +269,35 @@ class TestWarmWorker:
         log = worker_log(cluster)
         assert "re-executing the worker" in log and f"serving process {first['pid']} exited" in log
         assert model_outputs(only_run(out)) == model_outputs(self.runs["a"][0])
+
+
+    @pytest.mark.skipif(os.environ.get("POSTCARD_DEPLOY_ALL") != "1",
+                        reason="two more runs and a SuperLink restart (~2 min): make test-deploy-all")
+    def test_a_killed_superlink_and_the_resumed_run_are_served_by_the_worker(self, cluster, tmp_path):
+        out = tmp_path / "d"
+        config = self.config(out, "run_name=faults resume=auto").replace("rounds=1", "rounds=2")
+        run = out / "faults"
+        before = len(cluster.worker_events(0))
+        proc = cluster.submit(config, log_file=cluster.folder / "logs" / "run-d1.log")
+        try:
+            wait_for(lambda: checkpoint_round(run) >= 1, 240, "round 1's checkpoint", poll=0.2)
+            cluster.kill_superlink()  # with its ServerApp, in round 2
+        finally:
+            kill_tree(proc.pid)
+        assert checkpoint_round(run) == 1 and not (run / "summary.json").exists()
+        killed = cluster.worker_events(0)[before:]
+        cluster.start_superlink()  # same database: the node's key is still registered
+        cluster.wait_online(1, timeout=180)
+        resumed = self.run(cluster, "d2", config)
+        assert resumed == run
+        log = (cluster.folder / "logs" / "run-d2.log").read_text()
+        assert "Resuming" in log and "[ROUND 1/2]" not in log and "[ROUND 2/2]" in log, log[-3000:]
+        assert [r["round"] for r in read_metrics(run)] == [0, 1, 2]
+        events = cluster.worker_events(0)[before + len(killed):]
+        new_run = {e["run"] for e in events if e["status"] == "completed"}
+        assert len(new_run) == 1 and new_run != {e["run"] for e in killed}, events
+        # one long-lived worker process served both runs (no flwr-clientapp started)
+        assert {e["pid"] for e in killed + events} == {killed[0]["pid"]} and not cluster.clientapp_pids(0)
 
 
 # ---------------------------------------------------------------------------- helpers
