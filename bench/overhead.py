@@ -124,6 +124,19 @@ def model_outputs(run_dir: Path) -> list:
                     for c in record["clients"]), key=str) for record in read_metrics(run_dir)]
 
 
+def worker_steps(logs: Path) -> dict:
+    """Mean seconds per message of each step the warm workers time (pull, load, app, push),
+    over every message but each worker's first (that one also installs the FAB and builds
+    the model): where a warm message's time goes outside the ClientApp."""
+    steps: dict[str, list[float]] = {}
+    for path in sorted(logs.glob("worker-*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for event in events[1:]:
+            for step, seconds in (event.get("stages") or {}).items():
+                steps.setdefault(step, []).append(float(seconds))
+    return {step: round(float(np.mean(values)), 2) for step, values in steps.items()}
+
+
 def merge(results: list[dict], parts: list) -> list[dict]:
     """This run's rows plus the rows of earlier parts (``overhead.json`` files) that it did not
     measure again (same model and mode: this run's row wins); refuses parts of another protocol."""
@@ -159,6 +172,12 @@ def report(results: list[dict], clients: int, rounds: int) -> str:
     for r in results:
         lines.append(f"| {r['model']} | {r['mode']} | {r['wall']:.2f} | {r['client_work']:.2f} | {r['setup']:.2f} | "
                      f"{r['overhead']:.2f} | {100 * r['overhead'] / r['wall']:.0f}% |")
+    steps = [f"{r['model']}: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["worker_steps"].items())
+             for r in results if r.get("worker_steps")]
+    if steps:
+        lines += ["", "Where a warm message's time goes (the workers' own timing, mean per message after each "
+                  "worker's first: pulling the message from the SuperNode, loading the app, the ClientApp, pushing "
+                  "the reply): " + "; ".join(steps) + "."]
     same = [f"{r['model']}: {'bit-identical' if r['identical_to_cold'] else 'DIFFERENT'}"
             for r in results if r.get("identical_to_cold") is not None]
     if same:
@@ -200,6 +219,8 @@ def main(argv=None) -> int:
                             **{k: float(np.mean([r[k] for r in steady])) for k in
                                ("wall", "client_work", "method", "setup", "overhead")}})
             r = results[-1]
+            if mode == "warm":
+                r["worker_steps"] = worker_steps(run_dir.parent / f"cluster-warm-{model}" / "logs")
             cold = [c for c in results if c["model"] == model and c["mode"] == "deployment"]
             if mode == "warm" and cold:
                 r["identical_to_cold"] = model_outputs(run_dir) == model_outputs(Path(cold[0]["run_dir"]))

@@ -23,9 +23,24 @@ from clients.train import progress_label
 from fedapps import privacy, registry, secure
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
+from strategies import packing
 
 force_offline()
-app = ClientApp()
+
+
+def transport_packing(msg: Message, context: Context, call_next) -> Message:
+    """A Flower mod: the server's packed arrays unpacked before the method sees them, the reply's
+    packed after (strategies.packing: one array on the wire instead of one per tensor). A test
+    app that wraps Postcard's handlers with mods of its own puts this one first."""
+    if msg.has_content():
+        msg.content = packing.unpack(msg.content)
+    out = call_next(msg, context)
+    if out.has_content():
+        out.content = packing.pack(out.content)
+    return out
+
+
+app = ClientApp(mods=[transport_packing])
 
 
 def _call(msg: Message, context: Context):

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from fedapps import checkpoint as ckpt
 from fedapps import registry
 from fedapps.config import to_yaml
+from strategies import packing
 
 # errors Flower itself puts in place of a reply that will never come
 _UNAVAILABLE = {ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE}
@@ -99,8 +100,12 @@ def collect_replies(
     """
     if not messages:
         return [], {}
-    ids = set(grid.push_messages(messages)) - {None, ""}
-    node_of = {str(m.metadata.message_id): int(m.metadata.dst_node_id) for m in messages}
+    outgoing = [_packed(m) for m in messages]  # a message's many arrays travel as one (strategies.packing)
+    ids = set(grid.push_messages(outgoing)) - {None, ""}
+    for message, sent in zip(messages, outgoing):
+        if sent is not message and sent.metadata.message_id:  # the strategy matches replies against its own messages
+            message.metadata.__dict__["_message_id"] = sent.metadata.message_id  # as the grid sets it
+    node_of = {str(m.metadata.message_id): int(m.metadata.dst_node_id) for m in outgoing}
     missing: dict[int, str] = {
         node: "the message could not be pushed to the SuperLink" for mid, node in node_of.items() if mid not in ids
     }
@@ -115,12 +120,14 @@ def collect_replies(
             if mid not in pending:
                 # a second reply to a message, or one to no message of this phase: the strategy
                 # refuses and records it (never silently dropped, never counted twice)
+                _unpack(reply, int(reply.metadata.src_node_id))
                 replies.append(reply)
                 continue
             pending.discard(mid)
             if reply.has_error() and reply.error.code in _UNAVAILABLE:
                 missing[node_of[mid]] = f"unavailable ({reply.error.reason.strip()})"
                 continue
+            _unpack(reply, node_of[mid])
             replies.append(reply)
             ok += 0 if reply.has_error() else 1
         if not pending:
@@ -139,6 +146,27 @@ def collect_replies(
             break
         time.sleep(poll)
     return replies, missing
+
+
+def _packed(message: Message) -> Message:
+    """``message`` with its arrays packed into one (a new message with the same destination,
+    type, group and time to live), or ``message`` itself when there is nothing to pack."""
+    if not message.has_content():
+        return message
+    content = packing.pack(message.content)
+    if content is message.content:
+        return message
+    meta = message.metadata
+    return Message(content=content, dst_node_id=meta.dst_node_id, message_type=meta.message_type,
+                   group_id=meta.group_id, ttl=meta.ttl)
+
+
+def _unpack(reply: Message, node: int) -> None:
+    """A reply's packed arrays unpacked in place (strategies.packing.receive); one that cannot be
+    read is logged with the reason (its strategy refuses the reply)."""
+    reason = packing.receive(reply)
+    if reason:
+        log(WARNING, "node %s: its reply's packed arrays cannot be read: %s", node, reason)
 
 
 class _Rounds:

@@ -58,7 +58,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from strategies import codec, compress, robust
+from strategies import codec, compress, packing, robust
 from strategies.channel import LATENT_KEY, LatentChannel, apply_update, history_key
 from strategies.codec import PayloadError
 from strategies.ledger import RoundLedger, RoundRecord
@@ -414,7 +414,7 @@ class PayloadFedAvg(FedAvg):
         client["uplink_payload_bytes"] = codec.payload_bytes(record)
         client["uplink_message_bytes"] = codec.message_bytes(reply.msg.content)
         try:  # a measurement: whatever a reply holds, it must not stop the round
-            client["uplink_wire_bytes"] = codec.wire_bytes(reply.msg)
+            client["uplink_wire_bytes"] = packing.wire_bytes(reply.msg)
         except Exception:  # noqa: BLE001
             pass
         if not self.private:  # a private run keeps only the aggregate of what clients report

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from strategies import codec, sparse
+from strategies import codec, packing, sparse
 from strategies.base import PayloadFedAvg
 from strategies.baselines import FedAvgFull, FedAvgLoRA, FedProx, FFALoRA
 from strategies.compress import UpdateCompressor, topk_count
@@ -384,6 +384,18 @@ def _lowrank(ctx: Ctx) -> bool:
     return ctx.stype() == codec.LOWRANK
 
 
+def _packed(ctx: Ctx, reply: Message | None = None, cut: int = 0) -> list[Message]:
+    """Node 4's reply (default: its honest one) with its arrays packed as a client packs them,
+    the packed bytes' last ``cut`` bytes cut off (a record the server cannot unpack)."""
+    reply = copy.deepcopy(reply or ctx.honest[HOSTILE])
+    content = packing.pack(reply.content, min_arrays=1)
+    if cut:
+        array = content[packing.RECORD]["data"]
+        data = bytes(array.data)[:-cut]
+        content[packing.RECORD]["data"] = Array(dtype="uint8", shape=(len(data),), stype=packing.PACKED, data=data)
+    return [*ctx.others(), Message(content, reply_to=ctx.requests[HOSTILE])]
+
+
 K = Kind
 FOREIGN_STYPE = {codec.FP32: codec.INT4, codec.INT4: codec.FP32, codec.TOPK: codec.FP32, codec.LOWRANK: codec.TOPK}
 
@@ -445,6 +457,10 @@ KINDS: list[Kind] = [
     K("extra-bytes", "layout", "refused",
       lambda c: raw(c, data=c.honest[HOSTILE].content["arrays"][c.key()].data + b"\0" * 8)),
     K("empty-bytes", "layout", "refused", lambda c: raw(c, data=b"")),
+    # --- transport packing (strategies.packing): what the server unpacks gets the same checks
+    K("packed-garbage", "layout", "refused", lambda c: _packed(c, cut=5)),
+    K("packed-nan-values", "values", "refused",
+      lambda c: _packed(c, c.with_array(constant_array(c, float("nan")))[-1])),
     # --- values and magnitudes (class 5)
     K("nan-values", "values", "refused", lambda c: c.with_array(constant_array(c, float("nan")))),
     K("inf-values", "values", "refused", lambda c: c.with_array(constant_array(c, float("inf")))),
@@ -643,6 +659,8 @@ def run_case(spec: Spec, kind: Kind, robustness=None) -> Result:
         return Result("n/a")
     strategy, reference, probe, ctx = _run_rounds(spec, robustness)
     replies = kind.make(ctx)
+    for reply in replies:  # as fedapps.runner.collect_replies receives them: packed arrays unpacked
+        packing.receive(reply)
     strategy.aggregate_train(2, replies)  # must not raise, whatever the replies hold
     counted = [ctx.honest[n] for n in kind.reference]
     if counted:

@@ -35,6 +35,6 @@ def corrupt(msg: Message, context, call_next) -> Message:
     return reply
 
 
-app = ClientApp(mods=[corrupt])
+app = ClientApp(mods=[postcard.transport_packing, corrupt])  # corrupt works on the unpacked reply
 app.train()(postcard.train)
 app.evaluate()(postcard.evaluate)

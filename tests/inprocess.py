@@ -17,7 +17,17 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedapps import client_app
 from fedapps.config import to_yaml
+from strategies import packing
 from strategies.base import CONFIG_RECORD
+
+
+def answer(msg: Message, ctx: Context) -> Message:
+    """Postcard's ClientApp's reply to ``msg``, its arrays unpacked (what the server's
+    ``collect_replies`` hands the strategy; on the wire they travel packed, strategies.packing)."""
+    out = client_app.app(msg, ctx)
+    if out.has_content():
+        out.content = packing.unpack(out.content)
+    return out
 
 
 def context(node: int, clients: int = 2) -> Context:
@@ -90,14 +100,14 @@ def train_round(cfg, strategy, server_round: int, nodes: dict) -> list[Message]:
     replies = []
     for node, ctx in nodes.items():
         config = strategy.train_config_for(server_round, node, ConfigRecord({}))
-        replies.append(client_app.app(message(cfg, strategy.downlink_arrays(), "train", server_round, node,
+        replies.append(answer(message(cfg, strategy.downlink_arrays(), "train", server_round, node,
                                               dict(config)), ctx))
     return replies
 
 
 def evaluate_round(cfg, strategy, server_round: int, nodes: dict) -> dict:
     """The strategy's aggregate of every node's evaluation of its current downlink."""
-    replies = [client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", server_round, node), ctx)
+    replies = [answer(message(cfg, strategy.downlink_arrays(), "evaluate", server_round, node), ctx)
                for node, ctx in nodes.items()]
     return strategy.aggregate_evaluate(server_round, replies)
 

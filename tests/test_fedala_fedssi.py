@@ -11,7 +11,8 @@ from clients.adapters import federated_state, load_federated_state
 from clients.tasks import make_task
 from clients import fedala as ala_method
 from clients import fedssi as ssi_method
-from fedapps import client_app, fedala, fedssi
+from fedapps import fedala, fedssi
+from inprocess import answer
 from fedapps.baselines import prepare
 from fedapps.config import compose, to_yaml
 from fedapps.outputs import mean_train_loss, read_metrics
@@ -96,10 +97,10 @@ def test_fedala_client_keeps_its_adapter_and_runs_ala_once_per_global(lora_setup
     plan = fedala.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
     node = context()
     first = plan.strategy.downlink_arrays()
-    out = client_app.app(message(cfg, first, "evaluate", 0), node)  # first contact: no ALA
+    out = answer(message(cfg, first, "evaluate", 0), node)  # first contact: no ALA
     assert out.content["metrics"]["ala-passes"] == 0
     assert {fedala.LOCAL, fedala.STATUS} <= set(node.state.keys())
-    out = client_app.app(message(cfg, first, "train", 1), node)  # same global: not absorbed twice
+    out = answer(message(cfg, first, "train", 1), node)  # same global: not absorbed twice
     assert "ala-passes" not in out.content["metrics"]
     trained = codec.decode(out.content["arrays"])
     assert sorted(trained) == sorted(plan.strategy.uplink_keys)
@@ -107,13 +108,13 @@ def test_fedala_client_keeps_its_adapter_and_runs_ala_once_per_global(lora_setup
     assert all(np.array_equal(stored[k], trained[k]) for k in trained)  # the node keeps what it trained
 
     second = codec.encode({k: v + 0.01 for k, v in trained.items()})  # a new global adapter
-    out = client_app.app(message(cfg, second, "evaluate", 1), node)
+    out = answer(message(cfg, second, "evaluate", 1), node)
     assert out.content["metrics"]["ala-passes"] == 2  # the start phase, capped
     assert fedala.WEIGHTS in node.state.array_records
-    out = client_app.app(message(cfg, second, "train", 2), node)
+    out = answer(message(cfg, second, "train", 2), node)
     assert "ala-passes" not in out.content["metrics"]  # already absorbed at the evaluation
     third = codec.encode({k: v + 0.02 for k, v in trained.items()})
-    out = client_app.app(message(cfg, third, "train", 3), node)  # not evaluated: ALA at training
+    out = answer(message(cfg, third, "train", 3), node)  # not evaluated: ALA at training
     assert out.content["metrics"]["ala-passes"] == 1  # after the start phase, one pass
 
 
@@ -177,13 +178,13 @@ def test_fedssi_client_keeps_its_importance_on_the_node():
     node = context()
     msg = message(cfg, plan.strategy.downlink_arrays(), "train", 1,
                   **dict(plan.strategy.train_config_for(1, 1, ConfigRecord({}))))
-    out = client_app.app(msg, node)
+    out = answer(msg, node)
     metrics = out.content["metrics"]
     assert metrics["omega-mean"] > 0 and metrics["si-penalty"] >= 0 and "psm-loss" in metrics
     assert sorted(codec.decode(out.content["arrays"])) == sorted(plan.strategy.uplink_keys)  # Ω is not sent
     omega = codec.decode(node.state.array_records[fedssi.OMEGA])
     assert sorted(omega) == sorted(plan.strategy.uplink_keys)
-    out = client_app.app(msg, node)  # round 2: Ω accumulates
+    out = answer(msg, node)  # round 2: Ω accumulates
     assert out.content["metrics"]["omega-mean"] > metrics["omega-mean"]
 
 

@@ -25,7 +25,7 @@ from clients.fednl.diagnostics import PeakMemory, binned_nll
 from clients.models import build_model
 from clients.tasks import make_task
 from clients.tasks.niah import DEPTHS, LETTERS
-from fedapps import client_app, fednl
+from fedapps import fednl
 from fedapps.config import ConfigError, compose, to_yaml
 from fedapps.outputs import mean_train_loss, read_metrics
 from fedapps.session import session
@@ -40,6 +40,13 @@ LAYERS, HIDDEN, HEADS, KV_DIM, R = 2, 64, 4, 32, 8
 MEMORY_HEADS = 2  # algorithm.memory.memory_heads=kv (the default): one memory and one β per KV head
 GATE_THETA = LAYERS * (1 + MEMORY_HEADS * HIDDEN + MEMORY_HEADS)  # gate logit + β weight and bias, per layer
 LORA_THETA = LAYERS * (R * HIDDEN + HIDDEN * R + 2 * (R * HIDDEN + KV_DIM * R))  # q, k, v: A and B
+
+
+def answer(msg, ctx):
+    """inprocess.answer, imported when called: a subprocess imports this module as tests.test_fednl_app."""
+    from inprocess import answer as reply
+
+    return reply(msg, ctx)
 
 
 def fednl_cfg(*overrides, mode="meta-rules", **groups):
@@ -79,7 +86,7 @@ def test_the_uplink_payload_holds_exactly_the_configured_theta(mode):
 
     strategy = strategy_for(cfg)
     node = context(11, 0)
-    out = client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 11), node)
+    out = answer(message(cfg, strategy.downlink_arrays(), "train", 1, 11), node)
     sent = codec.decode(out.content["arrays"])
     assert sorted(sent) == sorted(names)
     values = GATE_THETA + (LORA_THETA if mode == "meta-rules" else 0)
@@ -96,7 +103,7 @@ def test_gate_mode_keeps_each_nodes_lora_on_the_node():
     cfg = fednl_cfg("train.local_steps=2", "algorithm.eval_local=false", mode="gate")
     strategy = strategy_for(cfg)
     a, b = context(1, 0), context(2, 1)
-    client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 1), a)
+    answer(message(cfg, strategy.downlink_arrays(), "train", 1, 1), a)
     assert fednl.LOCAL_LORA in a.state.array_records
     lora_a = codec.decode(a.state.array_records[fednl.LOCAL_LORA])
 
@@ -107,8 +114,8 @@ def test_gate_mode_keeps_each_nodes_lora_on_the_node():
     assert all(np.array_equal(params[k].detach().numpy(), v) for k, v in init.items())
     assert any(not np.array_equal(lora_a[k], init[k]) for k in init)  # a's LoRA did train
 
-    client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 2), b)
-    client_app.app(message(cfg, strategy.downlink_arrays(), "evaluate", 1, 1), a)  # a evaluates its own LoRA
+    answer(message(cfg, strategy.downlink_arrays(), "train", 1, 2), b)
+    answer(message(cfg, strategy.downlink_arrays(), "evaluate", 1, 1), a)  # a evaluates its own LoRA
     params = dict(s.model.named_parameters())
     assert all(np.array_equal(params[k].detach().numpy(), v) for k, v in lora_a.items())
 
@@ -442,7 +449,7 @@ def test_the_ablations_replies_pass_the_server_and_keep_the_memory_off():
     cfg = fednl_cfg("algorithm.ablate_memory=true", "train.local_steps=1", "algorithm.eval_local=false")
     strategy = strategy_for(cfg)
     assert not any(k.endswith("fednl_gate") for k in strategy.global_state)
-    out = client_app.app(message(cfg, strategy.downlink_arrays(), "train", 1, 11), context(11, 0))
+    out = answer(message(cfg, strategy.downlink_arrays(), "train", 1, 11), context(11, 0))
     sent = codec.decode(out.content["arrays"])
     assert sum(v.size for v in sent.values()) == GATE_THETA - LAYERS + LORA_THETA  # θ less one logit a layer
     tensors, num_examples = strategy.validate_reply(out)

@@ -39,3 +39,13 @@ def test_a_part_that_is_not_an_overhead_json_gets_a_clear_error(tmp_path):
     for path in (tmp_path / "bad.json", tmp_path / "missing.json"):
         with pytest.raises(SystemExit, match="is not an overhead.json"):
             overhead.merge([row("tiny-llama", "simulation", 3.0)], [path])
+
+
+def test_the_warm_workers_steps_are_averaged_after_each_workers_first_message(tmp_path):
+    for node, pulls in ((0, [9.0, 1.0, 3.0]), (1, [7.0, 2.0])):
+        events = [{"stages": {"pull": p, "app": 10.0, "push": 0.5}} for p in pulls]
+        (tmp_path / f"worker-{node}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    steps = overhead.worker_steps(tmp_path)
+    assert steps == {"pull": 2.0, "app": 10.0, "push": 0.5}  # (1 + 3 + 2) / 3: the first messages left out
+    text = overhead.report([{**row("smollm2", "warm", 40.0), "worker_steps": steps}], 5, 2)
+    assert "smollm2: pull 2.00 s, app 10.00 s, push 0.50 s" in text

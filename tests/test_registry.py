@@ -143,7 +143,7 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     import numpy as np
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from fedapps import client_app
+    from inprocess import answer
     from fedapps.config import to_yaml
     from strategies.base import CONFIG_RECORD
 
@@ -175,7 +175,7 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
                    run_config={})
     content = RecordDict({"arrays": strategy.downlink_arrays(), "config": ConfigRecord({"server-round": 1}),
                           CONFIG_RECORD: ConfigRecord({"yaml": to_yaml(cfg)})})
-    out = client_app.app(Message(content, dst_node_id=1, message_type="train"), node)
+    out = answer(Message(content, dst_node_id=1, message_type="train"), node)
     assert not out.has_error(), out.error if out.has_error() else None
     assert out.content["metrics"]["partition-id"] == 0
 
