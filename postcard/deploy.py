@@ -276,12 +276,15 @@ class LoopbackCluster:
     def spawn_supernode(self, key: Path, port: int, node_config: str, home: Path, log: Path,
                         ca_cert: Path | None = None, isolation: str = "subprocess") -> subprocess.Popen:
         """Start one ``flower-supernode`` on the Fleet address (TLS, authenticated with ``key``);
-        ``isolation='process'``: without its ``flower-superexec`` (see :meth:`spawn_worker`)."""
+        ``isolation='process'``: without its ``flower-superexec`` (see :meth:`spawn_worker`), as
+        ``postcard.supernode`` (the same SuperNode with shorter waits, docs/deploy.md section 9)."""
         home.mkdir(parents=True, exist_ok=True)
         handle = open(log, "a")
+        supernode = [sys.executable, "-m", "postcard.supernode"] if isolation == "process" else \
+            [executable("flower-supernode")]
         cmd = [
             *self._nice(),
-            executable("flower-supernode"),
+            *supernode,
             "--superlink", self.fleet_address,
             "--root-certificates", str(ca_cert or self.ca_cert),
             "--auth-supernode-private-key", str(key),
