@@ -14,7 +14,8 @@ the earlier tuned setting's ``docs/bench/onboarding-lr3-int4x12/`` and ``docs/be
 ``docs/bench/baseline_bytes.md`` (bench/baseline_bytes.py), ``docs/bench/fuzz_table.md`` and
 ``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
 (bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py), ``docs/bench/overhead/overhead.md``
-(bench/overhead.py). Each report carries the
+and ``docs/bench/overhead-2nodes/overhead.md`` (bench/overhead.py), the FLITE protocol's
+``docs/bench/flite-protocol-fmnist/{iid,dirichlet}/flite.md``. Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
 and says which report is missing.
 """
@@ -45,6 +46,11 @@ REPORTS = (
      "bench/flite.py --tune ... --out docs/bench/flite-protocol-fmnist (tuning.md), then --protocol "
      "docs/bench/flite-protocol-fmnist/protocol-iid.json --out docs/bench/flite-protocol-fmnist/iid (docs/flite.md)",
      None),
+    ("FLITE under the protocol (near regime, Fashion-MNIST, Dirichlet 0.1): tuned on validation, evaluated on other seeds",
+     DOCS / "bench" / "flite-protocol-fmnist" / "dirichlet" / "flite.md",
+     "bench/flite.py --tune ... --partitions dirichlet --draft protocol-dirichlet.json, then --protocol "
+     "docs/bench/flite-protocol-fmnist/protocol-dirichlet.json --out docs/bench/flite-protocol-fmnist/dirichlet "
+     "(docs/flite.md)", None),
     ("A FLITE reply on the wire", DOCS / "bench" / "wire_bytes.md", "bench/wire_bytes.py", None),
     ("Causal-LM client memory: full logits vs the chunked output layer", DOCS / "bench" / "lm_memory" / "lm_memory.md",
      "bench/lm_memory.py", None),
@@ -84,6 +90,9 @@ REPORTS = (
     ("Method × channel: bytes and the metric", DOCS / "bench" / "channels" / "channels.md", "bench/channels.py", None),
     ("Flower's share of a round: simulation vs deployment", DOCS / "bench" / "overhead" / "overhead.md",
      "bench/overhead.py", None),
+    ("Flower's share of a round with a core per node (2 nodes): simulation, stock Flower, warm worker",
+     DOCS / "bench" / "overhead-2nodes" / "overhead.md",
+     "bench/overhead.py --models smollm2 --clients 2 --out docs/bench/overhead-2nodes (docs/deploy.md section 9)", None),
 )
 
 
