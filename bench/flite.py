@@ -421,8 +421,8 @@ def report(results: dict, command: str, machine: str) -> str:
          "seed 0") + "; accuracy over every client's held-out split after the last round (mean ± std over seeds).",
         "Uplink = payload bytes per client per round (the arrays' data); `count_bytes` = Flower's own count of "
         "the reply's records (arrays, metrics, keys); wire = the protobuf requests a SuperNode sends for the reply "
-        "(`strategies.codec.wire_bytes`: metadata, object tree, one push per record/array/chunk; – for runs "
-        "made before it was recorded).",
+        "(`strategies.packing.wire_bytes`: metadata, object tree, one push per record/array/chunk, a reply of 8 or "
+        "more arrays packed into one since 2026-12-05; – for runs made before it was recorded).",
         "",
     ]
     if results.get("base"):
