@@ -80,6 +80,34 @@ def file_lock(name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def cached_array(folder: Path | None, key: str, compute, valid=lambda array: True):
+    """``compute()`` (a 1-D or n-D numpy array), read from ``folder/key.npy`` when an earlier process
+    stored it and ``valid(array)`` accepts it; stored after computing (written to a temporary file,
+    then renamed: processes of one machine may race, and the last writer wins with the same
+    bytes). A cache that cannot be read or written is skipped: the array is computed as without
+    one; ``folder`` None keeps none. ``key`` must name everything the array depends on."""
+    import numpy as np
+
+    if folder is None:
+        return compute()
+    path = Path(folder) / f"{key}.npy"
+    try:
+        cached = np.load(path, allow_pickle=False)
+        if valid(cached):
+            return cached
+    except (OSError, ValueError):
+        pass
+    array = compute()
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
+            np.save(handle, array, allow_pickle=False)
+        os.replace(handle.name, path)
+    except OSError:
+        pass
+    return array
+
+
 def cached_folder(name: str, build) -> Path:
     """Return ``cache/name``, building it once with ``build(tmp_path)`` under a lock.
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -105,28 +104,18 @@ def _partition_key(labels: np.ndarray, settings: dict) -> str:
 
 def cached_partition(labels: np.ndarray, settings: dict, compute) -> np.ndarray:
     """``compute()``'s indices, read from the partition cache when an earlier process stored them
-    for the same labels and settings; stored after computing (atomically: clients of one machine
-    may race, and the last writer wins with the same bytes). A cache that cannot be read or
-    written is skipped: the indices are computed as without one."""
+    for the same labels and settings (``clients.assets.cached_array``: atomic writes, a cache that
+    cannot be read or written skipped); a stored array that is not indices into ``labels`` is
+    computed again."""
+    from clients.assets import cached_array
+
+    def valid(cached: np.ndarray) -> bool:
+        return cached.dtype == np.int64 and cached.ndim == 1 and (
+            len(cached) == 0 or 0 <= cached.min() <= cached.max() < len(labels))
+
     folder = partition_cache_dir()
-    if folder is None:
-        return compute()
-    path = folder / f"{_partition_key(labels, settings)}.npy"
-    try:
-        cached = np.load(path, allow_pickle=False)
-        if cached.dtype == np.int64 and cached.ndim == 1 and (len(cached) == 0 or 0 <= cached.min() <= cached.max() < len(labels)):
-            return cached
-    except (OSError, ValueError):
-        pass
-    indices = compute()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
-            np.save(handle, indices, allow_pickle=False)
-        os.replace(handle.name, path)
-    except OSError:
-        pass
-    return indices
+    key = _partition_key(labels, settings) if folder is not None else ""
+    return cached_array(folder, key, compute, valid)
 
 
 def _compute(labels: np.ndarray, method: str, num_partitions: int, partition_id: int, seed: int, alpha: float,

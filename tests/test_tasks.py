@@ -166,3 +166,32 @@ def test_smollm2_windows_are_the_plain_token_stream(tiny):
         rows |= {tuple(body[k * window : (k + 1) * window].tolist()) for k in range(len(body) // window)}
     mine = np.concatenate([task.train_idx, task.test_idx])
     assert all(tuple(w.tolist()) in rows for w in task.windows[mine])
+
+
+def test_a_plays_tokens_are_read_back_from_disk_and_keyed_by_the_tokenizer(tiny, tmp_path, monkeypatch):
+    """A stock deployment's later messages (fresh processes) read a play's tokens from the asset cache
+    instead of tokenising it; another tokenizer (another serialisation) gets tokens of its own."""
+    from clients.tasks import text
+
+    monkeypatch.setenv("POSTCARD_CACHE", str(tmp_path))
+    _, tok = tiny
+    text.play_tokens.cache_clear()
+    first = text.play_tokens("hamlet", "k", tok)
+    assert len(list((tmp_path / "tokens").glob("*.npy"))) == 1
+
+    class Refuses:  # the same tokenizer as far as the key goes, but it must not be called
+        backend_tokenizer = tok.backend_tokenizer
+
+        def __len__(self):
+            return len(tok)
+
+        def __call__(self, *a, **k):
+            raise AssertionError("tokenised again although its tokens are cached")
+
+    text.play_tokens.cache_clear()
+    np.testing.assert_array_equal(text.play_tokens("hamlet", "k", Refuses()), first)
+    other = word_tokenizer()
+    text.play_tokens.cache_clear()
+    assert not np.array_equal(text.play_tokens("hamlet", "k", other), first)
+    assert len(list((tmp_path / "tokens").glob("*.npy"))) == 2
+    text.play_tokens.cache_clear()

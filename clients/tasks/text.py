@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import json
 import math
 import re
@@ -63,12 +65,38 @@ def clean_play(markdown: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def play_tokens(play: str, tokenizer_key: str, tokenizer) -> np.ndarray:
+    """A play's token ids. Cached in the process and on disk (``tokens/`` in the asset cache,
+    keyed by the play file's bytes, this module's cleaning code and the tokenizer's own
+    serialisation): a stock deployment starts a fresh process for every message, and only the
+    first of them tokenises (docs/deploy.md, section 9)."""
     plays = available_plays()
     if play not in plays:
         raise TaskError(f"unknown play '{play}'; available: {', '.join(plays)}")
-    with open(plays[play], encoding="utf-8") as handle:
-        text = clean_play(handle.read())
-    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    with open(plays[play], "rb") as handle:
+        raw = handle.read()
+
+    def tokenise() -> np.ndarray:
+        text = clean_play(raw.decode("utf-8"))
+        return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:  # a tokenizer without a serialisation to key on: tokenised every time
+        return tokenise()
+    key = hashlib.sha256(raw + inspect.getsource(clean_play).encode() + fingerprint.encode()).hexdigest()[:32]
+    vocab = len(tokenizer)
+    return assets.cached_array(assets.cache_dir() / "tokens", key, tokenise,
+                               lambda ids: ids.dtype == np.int64 and ids.ndim == 1 and (ids.size == 0 or (
+                                   ids.min() >= 0 and ids.max() < vocab)))
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    """sha256 of a fast tokenizer's full serialisation (vocabulary, merges, normalisation, added
+    tokens; ~25 ms for SmolLM2's), None for one that has none."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()
 
 
 class ShakespeareTask(Task):
