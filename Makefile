@@ -32,7 +32,7 @@ help:
 	@echo "make test    - set up, then run the test suite (two pytest workers; TEST_WORKERS=0: one process)"
 	@echo "make assets  - install/convert the embedded models and data"
 	@echo "make bench   - run every benchmark script (bench/, ~10 h on 2 cores), then write docs/benchmarks.md"
-	@echo "make deploy-local - a gated SuperLink (TLS, node auth; Fleet alone on 127.0.0.2, Control on 127.0.0.1) + $(DEPLOY_NODES) SuperNodes, one 'flwr run', all stopped (WARM=0: stock Flower, a process per message)"
+	@echo "make deploy-local - a gated SuperLink (TLS, node auth; Fleet alone on 127.0.0.2, Control on 127.0.0.1) + $(DEPLOY_NODES) SuperNodes, one 'flwr run', all stopped (warm node workers; WARM=0: stock Flower, a process per message)"
 	@echo "make gpu-wheels - what a GPU machine lacks for bench/gpu_check.py, into .whl/ (<= 56 MiB; docs/gpu.md)"
 	@echo "make gpu-check  - ON THE GPU MACHINE: install .whl/ into /tmp/postcard-site, run bench/gpu_check.py (OUT=folder)"
 	@echo "make gpu-check-cpu - the same check on this CPU with the tiny model (what CI runs)"

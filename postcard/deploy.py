@@ -8,7 +8,8 @@ SuperNodes. This module holds what that needs besides Flower itself:
 * :func:`register_keys` — ``flwr supernode register``, idempotent;
 * :class:`LoopbackCluster` — the SuperLink of docs/deploy.md §3.3 (``postcard.fleetgate``:
   TLS, SuperNode authentication, every API on 127.0.0.1, the Fleet API alone on
-  127.0.0.2) plus N ``flower-supernode`` processes, each with its own ``FLWR_HOME``, its
+  127.0.0.2) plus N SuperNodes (``flower-supernode``, or for warm nodes ``postcard.supernode``:
+  the same SuperNode with shorter waits), each with its own ``FLWR_HOME``, its
   own key, log file and partition, driven through the ``flwr`` CLI exactly as a user
   would; every process is started here and stopped here by its process id (process
   helpers: ``postcard.procs``).
@@ -174,8 +175,8 @@ class LoopbackCluster:
     registered keys survive a restart of it, as ``--database`` does in a real deployment);
     False keeps it in memory, Flower's default, which no lock timeout can stop.
 
-    ``warm``: each SuperNode runs with ``--isolation process`` beside a warm node worker
-    (``postcard.worker``: one long-lived process runs the node's ClientApp messages and keeps
+    ``warm``: each SuperNode runs with ``--isolation process`` (as ``postcard.supernode``) beside a
+    warm node worker (``postcard.worker``: one long-lived process runs the node's ClientApp messages and keeps
     the prepared model for the run; its log ``logs/worker-<i>.log``, one JSON line per message
     in ``logs/worker-<i>.jsonl``) instead of Flower's ``flower-superexec``, which starts a new
     ``flwr-clientapp`` process per message (False: stock Flower).
@@ -498,7 +499,7 @@ def run_local(nodes: int, run_config: str, outputs: Path, folder: Path | None = 
         print(f"[deploy] SuperLink: the Fleet API alone on {cluster.fleet_address}, every API on {cluster.address} "
               f"(TLS, SuperNode authentication) with {nodes} registered "
               f"SuperNodes online after {time.time() - t0:.0f} s; ClientApps: "
-              + ("a warm node worker per SuperNode (postcard.worker)" if warm else
+              + ("a warm node worker per SuperNode (postcard.worker; SuperNodes as postcard.supernode)" if warm else
                  "a new flwr-clientapp process per message (stock Flower)"), flush=True)
         print(f'[deploy] flwr run . {CONNECTION} --stream --run-config "{config}"', flush=True)
         proc = cluster.run(config, timeout=timeout, log_file=base / "logs" / "flwr-run.log")
@@ -551,8 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cluster folder: certificates, keys, databases, logs (default: temporary)")
     local.add_argument("--keep", action="store_true", help="keep the temporary cluster folder")
     local.add_argument("--cold", action="store_true",
-                       help="stock Flower: a new flwr-clientapp process per message (default: a warm node worker "
-                            "per SuperNode, postcard.worker)")
+                       help="stock Flower: flower-supernode and a new flwr-clientapp process per message (default: "
+                            "a warm node worker per SuperNode, postcard.worker, beside postcard.supernode)")
     return parser
 
 
