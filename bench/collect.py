@@ -93,6 +93,10 @@ REPORTS = (
     ("Flower's share of a round with a core per node (2 nodes): simulation, stock Flower, warm worker",
      DOCS / "bench" / "overhead-2nodes" / "overhead.md",
      "bench/overhead.py --models smollm2 --clients 2 --out docs/bench/overhead-2nodes (docs/deploy.md section 9)", None),
+    ("Flower's share of a round, five nodes on two cores, all three modes in one run",
+     DOCS / "bench" / "overhead-5nodes" / "overhead.md",
+     "bench/overhead.py --models smollm2 --clients 5 (report copied to docs/bench/overhead-5nodes; docs/deploy.md section 9)",
+     None),
 )
 
 
