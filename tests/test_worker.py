@@ -5,8 +5,7 @@ One SuperNode (``flower-supernode --isolation process``) with its warm worker in
 
 1. run A: its three messages (round-0 evaluation, training, evaluation) are served by one
    process, which builds the model once, and no ``flwr-clientapp`` process is started;
-2. (with ``POSTCARD_DEPLOY_ALL=1``, ``make test-deploy-all``: ~30 s more) run B, another
-   config (LoRA rank 4): served by the same process with a new model;
+2. run B, another config (LoRA rank 4): served by the same process with a new model;
 3. run C, A's config from another FAB (the app with one more comment line): the worker
    re-executes itself before running it (a new program, one model build); its process is
    killed after the first message, the supervisor starts a new one and the run completes
@@ -16,7 +15,7 @@ One SuperNode (``flower-supernode --isolation process``) with its warm worker in
    SuperNode may first hold a task of the killed run whose message never arrives: the worker
    gives way to the newer task, docs/deploy.md section 9), which continues from round 2.
 
-110-140 s on this 2-core machine shared with other jobs (load average 3-7; each run starts a
+85 s alone on this 2-core machine (2026-12-05, runs A-C), 110-140 s when shared with other jobs (each run starts a
 ServerApp process too). Every process is stopped by its pid at the end.
 """
 
@@ -213,8 +212,6 @@ class TestWarmWorker:
         self.runs["a"] = (run, events)
         self.runs["last"] = events[-1]
 
-    @pytest.mark.skipif(os.environ.get("POSTCARD_DEPLOY_ALL") != "1",
-                        reason="a third run (~30 s): make test-deploy-all (POSTCARD_DEPLOY_ALL=1)")
     def test_another_config_is_not_served_stale_state(self, cluster, tmp_path):
         """LoRA rank 4 instead of 8: A's model would not even load B's global state."""
         assert "a" in self.runs, "needs the first run"
