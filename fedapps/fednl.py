@@ -75,6 +75,7 @@ def memory_config(cfg) -> FedNLConfig:
             qk_activation=str(memory.qk_activation),
             use_fla=use_fla if use_fla is None else bool(use_fla),
             memory_heads=str(memory.get("memory_heads", FedNLConfig.memory_heads)),
+            key_centering=memory.get("key_centering", FedNLConfig.key_centering),
         )
     except (TypeError, ValueError) as err:
         raise FedNLSetupError(f"invalid algorithm.memory: {err}") from None

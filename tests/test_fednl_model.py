@@ -11,6 +11,7 @@ from clients.fednl import (
     FedNLConfig,
     FedNLStreamer,
     add_delta_memory,
+    centre_keys,
     mark_trainable,
     memory_attentions,
     memory_gate_values,
@@ -258,6 +259,50 @@ def test_padding_never_writes_to_the_memory(llama, memory_heads):
     assert torch.equal(alone, ones)
 
 
+# --------------------------------------------------------------------------- key centring
+def test_centred_keys_equal_the_naive_running_mean():
+    key = torch.randn(2, 3, 11, 4, generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(2, 1, 11, dtype=torch.bool)
+    valid[1, 0, :4] = False  # left padding: neither counted nor moving the mean
+    centred, (total, count) = centre_keys(key, valid)
+    for b in range(2):
+        real = [t for t in range(11) if valid[b, 0, t]]
+        for t in real:
+            seen = [u for u in real if u <= t]
+            expected = key[b, :, t] - key[b, :, seen].mean(dim=1)
+            assert torch.allclose(centred[b, :, t], expected, atol=1e-6)
+        assert count[b].item() == len(real)
+        assert torch.allclose(total[b], key[b, :, real].sum(dim=1), atol=1e-5)
+    assert centred[0, :, 0].abs().max() == 0  # the first key is its own mean: it writes nothing
+    # in two blocks, carrying (sum, count): the same keys
+    first, stats = centre_keys(key[..., :5, :], valid[..., :5])
+    second, _ = centre_keys(key[..., 5:, :], valid[..., 5:], stats)
+    assert torch.allclose(torch.cat([first, second], dim=2), centred, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_key_centring_streams_generates_and_ignores_padding(llama, window):
+    model = with_memory(llama, window=window, chunk_size=32, key_centering=True)
+    ids = tokens(2, 200)
+    with torch.no_grad():
+        full = model(ids).logits
+        plain = with_memory(llama, window=window, chunk_size=32)(ids).logits
+    assert (full - plain).abs().max() > 1e-3  # the option changes the model
+    assert (stream_logits(model, ids, block=64) - full).abs().max() <= 1e-4
+    prompt = tokens(1, 21)
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+        again = prompt
+        for _ in range(5):
+            again = torch.cat([again, model(again, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        padded = torch.cat([torch.zeros(1, 9, dtype=torch.long), prompt], dim=1)
+        mask = torch.cat([torch.zeros(1, 9, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+        alone = model(prompt).logits
+        batched = model(padded, attention_mask=mask).logits[:, 9:]
+    assert torch.equal(generated, again)
+    assert (alone - batched).abs().max() <= 1e-4
+
+
 # --------------------------------------------------------------------------- configuration errors
 @pytest.mark.parametrize(
     "kwargs, match",
@@ -269,6 +314,7 @@ def test_padding_never_writes_to_the_memory(llama, memory_heads):
         ({"qk_activation": "relu"}, "qk_activation"),
         ({"use_fla": "auto"}, "use_fla"),
         ({"gate_init_logit": float("nan")}, "gate_init_logit"),
+        ({"key_centering": "yes"}, "key_centering"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, match):

@@ -34,8 +34,11 @@ def section_times(seconds: dict) -> str:
 def report(args, results: dict, command: str) -> str:
     from postcard.compare import wilson
 
+    only_retrieval = "retrieval" in results and not set(results) & {"mmlu", "niah", "stream", "lm", "passkey"}
+    seeds = (f"seeds {', '.join(str(x) for x in args.retrieval_seeds)}" if only_retrieval
+             else f"seed {args.seed}")  # the retrieval section has seeds of its own
     lines = [f"Command: `{command}`", "",
-             f"Model: {args.model}; seed {args.seed}; {run_date(results)}; "
+             f"Model: {args.model}; {seeds}; {run_date(results)}; "
              f"total {results.get('seconds', 0) / 60:.1f} min on this machine.", ""]
     mmlu = results.get("mmlu")
     if mmlu:

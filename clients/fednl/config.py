@@ -27,6 +27,10 @@ class FedNLConfig:
     # "kv": one memory (and one beta) per key/value head, read by each of its query heads (the default since
     # #44: the write path on a third of SmolLM2's heads); "query": one per query head, k/v repeated to them
     memory_heads: str = "kv"
+    # subtract the causal running mean of the memory's keys (token t: the mean of keys 0..t) before the L2
+    # norm: a pretrained model's keys share a large common direction (SmolLM2: mean cosine 0.8 between the
+    # keys of one prompt), so every write overwrites every other; centred keys keep them apart (#44)
+    key_centering: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -45,6 +49,8 @@ class FedNLConfig:
             raise ValueError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {self.qk_activation!r}")
         if self.memory_heads not in MEMORY_HEADS:
             raise ValueError(f"memory_heads must be one of {MEMORY_HEADS}, got {self.memory_heads!r}")
+        if not isinstance(self.key_centering, bool):
+            raise ValueError(f"key_centering must be true or false, got {self.key_centering!r}")
         if self.use_fla not in (None, True, False):
             raise ValueError(f"use_fla must be None, True or False, got {self.use_fla!r}")
         for name in ("gate_init_logit", "beta_init_logit"):

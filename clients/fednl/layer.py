@@ -21,6 +21,10 @@ and the weights sum to one. Choices, where the papers leave room:
   3 memories for 9 query heads, a third of the write work). The readout is
   ``o_t = S_t q_t``: with unit keys the memory returns values on the scale of v, the
   same scale as softmax attention's convex mix of values, so no rescaling is needed.
+* ``key_centering``: the memory's keys minus their causal running mean (:func:`centre_keys`) before
+  the activation's L2 norm. A pretrained model's keys share one large direction (SmolLM2: mean cosine
+  0.8 between the keys of one prompt), so with raw keys every write overwrites every other; the running
+  sum and count ride on the stream and the HF cache like the memory itself.
 * ``beta_t = sigmoid(w_h . x_t + b_h)`` per memory head from the layer input (``beta="input"``)
   or a learnable per-head constant (``beta="constant"``). Padding tokens get beta = 0 and
   never write to the memory.
@@ -181,6 +185,26 @@ def _windowed_mask(attention_mask, batch: int, length: int, total: int, window: 
     return (allowed | diagonal).expand(batch, 1, length, total)
 
 
+def centre_keys(key: Tensor, valid: Tensor | None, earlier: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """Keys minus their causal running mean (``key_centering``): token t's key less the mean of the real
+    keys 0..t, those of earlier blocks included.
+
+    ``key`` is (B, heads, T, d); ``valid`` (B, 1, T) bool marks real tokens (None: all), padding neither
+    counts nor moves the mean; ``earlier`` is the ``(sum, count)`` returned for the tokens before, or None.
+    Returns the centred keys and the new ``(sum (B, heads, d), count (B, 1, 1))``, both float32. The first
+    token's key becomes 0, so it writes nothing; the mean is over keys before the activation's L2 norm.
+    """
+    weight = torch.ones_like(key[..., :1]) if valid is None else valid[..., None].to(key.dtype)
+    sums = torch.cumsum(key.float() * weight, dim=2)
+    counts = torch.cumsum(weight.float(), dim=2)
+    if earlier is not None:
+        sums = sums + earlier[0][:, :, None]
+        counts = counts + earlier[1][:, :, None]
+    centred = key - (sums / counts.clamp_min(1.0)).to(key.dtype)
+    return centred, (sums[:, :, -1], counts[:, :, -1])
+
+
 class LayerStream:
     """One layer's carried state while streaming: delta memory + the softmax path's KV cache
     (with a window: the sink tokens and the last ``window`` tokens)."""
@@ -194,6 +218,7 @@ class LayerStream:
         self.values: Tensor | None = None
         self.positions: Tensor | None = None  # the cached keys' absolute positions
         self.seen = 0  # tokens processed so far
+        self.key_stats: tuple[Tensor, Tensor] | None = None  # key_centering: the keys' running (sum, count)
 
     def softmax_path(self, attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, dropout: float) -> Tensor:
         length = q.shape[2]
@@ -212,7 +237,8 @@ class LayerStream:
         return out
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.memory, self.keys, self.values) if t is not None)
+        stats = self.key_stats or ()
+        return sum(t.numel() * t.element_size() for t in (self.memory, self.keys, self.values, *stats) if t is not None)
 
 
 def dual_path_attention_forward(
@@ -277,14 +303,29 @@ def dual_path_attention_forward(
     if config.qk_activation == "silu":
         query, key = F.silu(query), F.silu(key)
     q_mem = l2_normalize(query.to(linear_dtype))
+    valid = None if stream is not None else _valid_tokens(attention_mask, batch, length, past)
+    key = key.to(linear_dtype)
+    if config.key_centering:
+        if stream is not None:
+            key, stream.key_stats = centre_keys(key, None, stream.key_stats)
+        else:
+            stats = None if past_key_values is None else past_key_values.__dict__.setdefault("fednl_key_stats", {})
+            earlier = None
+            if past > 0:
+                earlier = stats.get(self.layer_idx)
+                if earlier is None:
+                    raise ValueError(f"layer {self.layer_idx}: the cache holds {past} tokens but no key statistics "
+                                     "of the memory; continue only caches produced by this FedNL model")
+            key, final_stats = centre_keys(key, valid, earlier)
+            if stats is not None:
+                stats[self.layer_idx] = final_stats
     # normalised once per key/value head; memory_heads="query": then repeated to the query heads (as the
     # softmax path does), one memory per query head; "kv": one memory per key/value head, which the delta
     # rule writes once and lets its query heads read
     groups = self.num_key_value_groups if config.memory_heads == "query" else 1
-    k_mem = _repeat_kv(l2_normalize(key.to(linear_dtype)), groups)
+    k_mem = _repeat_kv(l2_normalize(key), groups)
     v_mem = _repeat_kv(value.to(linear_dtype), groups)
     beta = self.fednl_beta(hidden_states)
-    valid = None if stream is not None else _valid_tokens(attention_mask, batch, length, past)
     if valid is not None and not bool(valid.all()):  # padding writes nothing (no padding: nothing to mask)
         beta = beta * valid
         k_mem = torch.where(valid[..., None], k_mem, torch.zeros_like(k_mem))
