@@ -334,3 +334,17 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
         with pytest.raises(SystemExit):
             parse_args(["--sections", "retrieval", *bad])
     assert "must exceed --retrieval-window (200)" in capsys.readouterr().err
+
+
+def test_memory_probe_reports_every_variant_per_layer_on_validation_prompts(tmp_path):
+    from bench.fednl.memory_probe import VARIANTS, main
+
+    out = tmp_path / "probe.json"
+    main(["--model", "tiny-llama", "--per-filler", "1", "--length", "300", "--threads", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["split"] == "val" and report["prompts"] == 2
+    assert set(report["variants"]) == set(VARIANTS)
+    for variant in report["variants"].values():
+        assert np.asarray(variant["rank"]).shape == (2, 2)  # prompts x layers of the tiny model
+        assert all(0 <= r < 300 for row in variant["rank"] for r in row)
+        assert -1.0 <= variant["key_cosine_mean"] <= 1.0
