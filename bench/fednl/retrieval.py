@@ -155,6 +155,8 @@ def section_retrieval(args, out: Path) -> dict:
             result["runs"].setdefault(str(seed), {})[key] = {
                 "per_length": {str(n): [int(np.sum(scored["correct"][scored["length"] == n] > 0.5)),
                                         int(np.sum(scored["length"] == n))] for n in args.passkey_lengths},
+                "answer_loss": {str(n): float(np.mean(scored["loss"][scored["length"] == n]))
+                                for n in args.passkey_lengths if np.any(scored["length"] == n)},
                 "gate_alpha_by_round": gate_by_round(summary["run_dir"]) if spec.startswith("fednl") else None,
                 "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
                 "run_dir": summary["run_dir"]}
@@ -215,12 +217,16 @@ def retrieval_lines(result: dict | None) -> str:
                  f"{result['rounds']} rounds x {result['steps']} steps of {result['train_length']}-token prompts; "
                  f"FedNL and its ablation: window {result['window']} + {result['sink']} sinks; key >= "
                  f"{result['min_distance']} tokens back; {result['split']} prompts)", "",
-             "| model | seed | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
-             "|---|---:|" + "---:|" * len(lengths)]
+             "| model | seed | " + " | ".join(f"{n} tokens" for n in lengths) + " | answer CE (nats/token) |",
+             "|---|---:|" + "---:|" * len(lengths) + "---|"]
     for seed, runs in result["runs"].items():
         for key, r in runs.items():
+            loss = r.get("answer_loss") or {}  # (runs scored before it was recorded have none)
             lines.append(f"| {key} | {seed} | " + " | ".join(
-                f"{r['per_length'][n][0]}/{r['per_length'][n][1]}" for n in lengths) + " |")
+                f"{r['per_length'][n][0]}/{r['per_length'][n][1]}" for n in lengths) + " | "
+                + (", ".join(f"{loss[n]:.3f}" for n in lengths if n in loss) or "–") + " |")
+    lines += ["", "(answer CE: the answer tokens' mean cross-entropy; with SmolLM2's tokenizer a space and 5 "
+                  "digits, so guessing the digits uniformly, the space known, gives (ln 9 + 4 ln 10) / 6 = 1.90)"]
     for length, refs in (result.get("paired") or {}).items():
         lines += ["", f"FedNL paired at {length} tokens (discordant pairs pooled over seeds, exact binomial):", ""]
         for ref, row in refs.items():
