@@ -51,6 +51,11 @@ REPORTS = (
      "bench/flite.py --tune ... --partitions dirichlet --draft protocol-dirichlet.json, then --protocol "
      "docs/bench/flite-protocol-fmnist/protocol-dirichlet.json --out docs/bench/flite-protocol-fmnist/dirichlet "
      "(docs/flite.md)", None),
+    ("FLITE under the protocol with headroom (θ_pre from a 1% public split, Fashion-MNIST, IID)",
+     DOCS / "bench" / "flite-protocol-fmnist-headroom" / "iid" / "flite.md",
+     "bench/flite.py --tune ... --out docs/bench/flite-protocol-fmnist-headroom -- task.public_fraction=0.01 "
+     "(tuning.md), then --protocol docs/bench/flite-protocol-fmnist-headroom/protocol-iid.json "
+     "--out docs/bench/flite-protocol-fmnist-headroom/iid (docs/flite.md)", None),
     ("A FLITE reply on the wire", DOCS / "bench" / "wire_bytes.md", "bench/wire_bytes.py", None),
     ("Causal-LM client memory: full logits vs the chunked output layer", DOCS / "bench" / "lm_memory" / "lm_memory.md",
      "bench/lm_memory.py", None),
