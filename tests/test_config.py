@@ -219,3 +219,17 @@ def test_smartfed_tuned_preset_is_the_setting_the_onboarding_benchmark_measured(
         assert {k: tuned[k] for k in ("payload", "budget_per_matrix", "downlink", "top_k")} == \
             {k: measured[k] for k in ("payload", "budget_per_matrix", "downlink", "top_k")}
         assert tuned.lr.experts == pytest.approx(3e-3) and tuned.lr.router == pytest.approx(1e-3)
+
+
+def test_fednl_passkey_preset_is_the_setting_the_gate_runs_chose():
+    """docs/fednl.md's run i: `--fednl-overrides` of key centring, identity, gate init -2 and the gate's and
+    β's own rates on a 64-token window + 4 sinks, 6 rounds x 10 steps of one 512-token prompt."""
+    cfg = compose(preset="fednl-passkey")
+    memory = cfg.algorithm.memory
+    assert cfg.algorithm.name == "fednl" and cfg.task.name == "passkey"
+    assert (memory.window, memory.sink, memory.key_centering, memory.qk_activation) == (64, 4, True, "identity")
+    assert memory.gate_init_logit == pytest.approx(-2.0)
+    assert cfg.algorithm.lr.gate == pytest.approx(0.1) and cfg.algorithm.lr.beta == pytest.approx(0.01)
+    assert (cfg.rounds, cfg.train.local_steps, cfg.train.batch_size, list(cfg.task.train_lengths)) == (6, 10, 1, [512])
+    ablation = compose("algorithm.ablate_memory=true", preset="fednl-passkey")
+    assert ablation.algorithm.ablate_memory and ablation.algorithm.memory.window == 64
