@@ -330,7 +330,13 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
     args.retrieval_resume = tmp_path
     again = retrieval.section_retrieval(args, tmp_path / "again")
     assert again["runs"]["1"]["fednl"]["per_length"] == runs["fednl"]["per_length"]
-    for bad in (["--retrieval-window", "200"], ["--retrieval-algorithms", "fednl:ablate,fedavg-lora"]):
+    # the no-training arm scores FedNL at init on the same prompts, training nothing
+    untrained = parse_args(["--quick", "--sections", "retrieval", "--passkey-lengths", "256", "--passkey-prompts", "4",
+                            "--retrieval-seeds", "1", "--retrieval-algorithms", "fednl:round0"])
+    untrained.threads = 1
+    round0 = retrieval.section_retrieval(untrained, tmp_path / "round0")["runs"]["1"]["fednl-round0"]
+    assert round0["per_length"]["256"][1] == 4 and round0["lr"] is None and round0["gate_alpha_by_round"] is None
+    for bad in (["--retrieval-window", "200"], ["--retrieval-algorithms", "fednl:gate,fedavg-lora"]):
         with pytest.raises(SystemExit):
             parse_args(["--sections", "retrieval", *bad])
     assert "must exceed --retrieval-window (200)" in capsys.readouterr().err
@@ -348,3 +354,81 @@ def test_memory_probe_reports_every_variant_per_layer_on_validation_prompts(tmp_
         assert np.asarray(variant["rank"]).shape == (2, 2)  # prompts x layers of the tiny model
         assert all(0 <= r < 300 for row in variant["rank"] for r in row)
         assert -1.0 <= variant["key_cosine_mean"] <= 1.0
+
+
+def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evaluates_only_when_committed(
+        tmp_path, monkeypatch, capsys):
+    """bench.fednl.retrieval_protocol's own logic, with the retrieval section replaced by one that scores
+    made-up prompts (the section itself is tested above): tuning picks each arm's lr by answer CE on the
+    validation prompts and drafts a protocol bench/protocol.py accepts; evaluation refuses it uncommitted,
+    then runs every arm at its tuned lr plus FedNL at init on the test prompts and gives the verdict."""
+    import subprocess
+
+    from bench.fednl import retrieval, retrieval_protocol
+
+    calls = []
+
+    def fake_section(args, out):
+        calls.append((args.retrieval_split, list(args.retrieval_algorithms), dict(args.retrieval_lrs)))
+        result = {"model": "fake", "clients": 2, "rounds": 1, "steps": 1, "train_length": 256, "window": 16,
+                  "sink": 4, "min_distance": 160, "split": args.retrieval_split, "lengths": args.passkey_lengths,
+                  "runs": {}}
+        items = {}
+        n = args.passkey_prompts
+        for seed in args.retrieval_seeds:
+            for spec in args.retrieval_algorithms:
+                key = retrieval.spec_key(spec)
+                lr = args.retrieval_lrs.get(key, args.lr)
+                ce = abs(math.log10(lr / 3e-4)) + {"fednl": 0.5, "fednl-ablate": 1.9, "fedavg-lora": 0.1}.get(key, 2.0)
+                hits = {"fednl": n // 2, "fedavg-lora": n}.get(key, 0)
+                correct = np.zeros(n * len(args.passkey_lengths), dtype=np.float32)
+                for j, length in enumerate(args.passkey_lengths):
+                    correct[j * n: j * n + hits] = 1
+                run_dir = out / f"retrieval_{key}_s{seed}"
+                run_dir.mkdir(parents=True, exist_ok=True)
+                scored = {"correct": correct, "loss": np.full(len(correct), ce, dtype=np.float32),
+                          "index": np.arange(len(correct)), "length": np.repeat(args.passkey_lengths, n),
+                          "client": np.zeros(len(correct), dtype=np.int64)}
+                np.savez(run_dir / "retrieval_items.npz", **scored)
+                items.setdefault(str(seed), {})[key] = scored
+                result["runs"].setdefault(str(seed), {})[key] = {
+                    "per_length": {str(m): [hits, n] for m in args.passkey_lengths},
+                    "gate_alpha_by_round": [[0.1, 0.2]] if key == "fednl" else None, "run_dir": str(run_dir)}
+        result["paired"] = retrieval.paired(items, args.passkey_lengths)
+        return result
+
+    monkeypatch.setattr(retrieval_protocol, "section_retrieval", fake_section)
+    settings = ["--", "--model", "tiny-llama", "--passkey-lengths", "256", "--passkey-prompts", "4"]
+    out = tmp_path / "proto"
+    grids = ["--lr-grid", "fednl=1e-4,3e-4,1e-3", "--lr-grid", "fednl-ablate=1e-4,3e-4,1e-3",
+             "--lr-grid", "fedavg-lora=1e-4,3e-4,1e-3"]
+    assert retrieval_protocol.main(["tune", *grids, "--tuning-seeds", "100", "--evaluation-seeds", "0", "1",
+                                    "--lengths", "256", "--prompts", "10", "--out", str(out), "--runs",
+                                    str(tmp_path / "runs"), "--draft", "protocol.json", *settings]) == 0
+    assert all(split == "val" for split, _, _ in calls) and len(calls) == 9
+    spec = json.loads((out / "protocol.json").read_text())
+    assert {arm: a.get("best", {}).get("train.lr") for arm, a in spec["arms"].items()} == \
+        {"fednl": 3e-4, "fednl-ablate": 3e-4, "fedavg-lora": 3e-4, "round-0": None}
+    assert "**passes**" in (out / "tuning.md").read_text()
+    # overlapping seeds and a missing arm are refused before anything runs
+    with pytest.raises(SystemExit, match="overlap"):
+        retrieval_protocol.main(["tune", *grids, "--tuning-seeds", "0", "--evaluation-seeds", "0", "--out",
+                                 str(out), "--runs", str(tmp_path / "runs"), *settings])
+    with pytest.raises(SystemExit, match="every arm"):
+        retrieval_protocol.main(["tune", *grids[:2], "--out", str(out), "--runs", str(tmp_path / "runs"), *settings])
+    # evaluation: refused while the protocol is not committed, then run under it
+    evaluate = ["evaluate", str(out / "protocol.json"), "--out", str(tmp_path / "eval"), "--runs", str(tmp_path / "er")]
+    assert retrieval_protocol.main(evaluate) == 2
+    assert capsys.readouterr().err.startswith("refused: ")
+    for step in (["init", "-q"], ["add", "protocol.json"], ["commit", "-qm", "protocol"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *step], cwd=out, check=True,
+                       capture_output=True)
+    calls.clear()
+    assert retrieval_protocol.main(evaluate) == 0
+    (split, algorithms, lrs), = calls
+    assert split == "test" and algorithms[-1] == "fednl:round0" and lrs == {"fednl": 3e-4, "fednl-ablate": 3e-4,
+                                                                           "fedavg-lora": 3e-4}
+    verdict = json.loads((tmp_path / "eval" / "retrieval.json").read_text())["verdicts"]["256"]
+    assert verdict["fednl_minus_ablation_pp"] == pytest.approx(50.0) and verdict["pairs"] == 20
+    assert verdict["gain"] == "met" and verdict["share_recovered"] == pytest.approx(0.5) and verdict["share_met"]
+    assert "committed at" in (tmp_path / "eval" / "retrieval.md").read_text()

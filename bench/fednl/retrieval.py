@@ -26,6 +26,7 @@ from pathlib import Path
 from .runs import algorithm_overrides, load_trained, log, run, spec_key
 
 ALGORITHMS = ("fednl:meta-rules", "fednl:ablate", "fedavg-lora")
+ROUND0 = "fednl:round0"  # the no-training arm: FedNL at init (the same window), scored without a round
 TARGET_GAIN, TARGET_P, TARGET_SHARE = 0.20, 0.01, 0.5
 
 
@@ -54,10 +55,11 @@ def finish_args(p, args) -> None:
     except ValueError:
         p.error("--retrieval-seeds must be a comma list of integers")
     args.retrieval_algorithms = [a for a in str(args.retrieval_algorithms).split(",") if a]
-    unknown = [a for a in args.retrieval_algorithms if a not in ALGORITHMS]
-    if unknown or "fednl:meta-rules" not in args.retrieval_algorithms or not args.retrieval_seeds:
-        p.error(f"--retrieval-algorithms: FedNL (fednl:meta-rules) and any of {ALGORITHMS}, and at least one "
-                f"seed; got {args.retrieval_algorithms}")
+    unknown = [a for a in args.retrieval_algorithms if a not in (*ALGORITHMS, ROUND0)]
+    if unknown or not args.retrieval_algorithms or not args.retrieval_seeds:
+        p.error(f"--retrieval-algorithms: any of {(*ALGORITHMS, ROUND0)} (FedNL is paired with the others when it "
+                f"is among them), and at least one seed; got {args.retrieval_algorithms}")
+    args.retrieval_lrs = {}  # a learning rate per result key (bench.fednl.retrieval_protocol); --lr otherwise
     if args.passkey_min_distance <= args.retrieval_window:
         p.error(f"--passkey-min-distance ({args.passkey_min_distance}) must exceed --retrieval-window "
                 f"({args.retrieval_window}): the key must lie beyond the softmax window")
@@ -74,7 +76,7 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
     filler and index)."""
     from fedapps.config import compose
 
-    name, overrides = algorithm_overrides(spec)
+    name, overrides = algorithm_overrides("fednl:meta-rules" if spec == ROUND0 else spec)
     overrides = [o for o in overrides if o != "algorithm.eval_local=true"] + ["algorithm.eval_local=false"]
     if name == "fednl":
         overrides += [f"algorithm.memory.window={args.retrieval_window}", f"algorithm.memory.sink={args.passkey_sink}",
@@ -86,7 +88,8 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
     split = args.retrieval_split
     lengths = ",".join(str(x) for x in args.passkey_lengths)
     return compose(
-        [*overrides, f"model={args.model}", f"seed={seed}", f"train.lr={args.lr}", "train.batch_size=1",
+        [*overrides, f"model={args.model}", f"seed={seed}",
+         f"train.lr={getattr(args, 'retrieval_lrs', {}).get(spec_key(spec), args.lr)}", "train.batch_size=1",
          "train.threads=1", "eval.batch_size=1", f"rounds={args.retrieval_rounds}", f"num_clients={clients}",
          f"train.local_steps={args.retrieval_steps}", f"task.fillers=[{','.join(fillers)}]",
          f"task.train_per_filler={per_filler}", f"task.train_lengths=[{args.retrieval_train_length}]",
@@ -144,9 +147,15 @@ def section_retrieval(args, out: Path) -> dict:
                 log(f"retrieval {key}, seed {seed}: taken from {earlier}")
             else:
                 cfg = retrieval_cfg(args, out, spec, seed)
-                log(f"retrieval: training {key}, seed {seed} ({cfg.rounds} rounds x {cfg.train.local_steps} steps "
-                    f"of {args.retrieval_train_length}-token prompts, {cfg.num_clients} clients)")
-                summary = run(cfg)
+                if spec == ROUND0:  # no training: the untrained model, scored into a folder of its own
+                    summary = {"final_state": None, "run_dir": str(out / f"retrieval_{key}_s{seed}")}
+                    Path(summary["run_dir"]).mkdir(parents=True, exist_ok=True)
+                    (Path(summary["run_dir"]) / "summary.json").write_text(json.dumps(summary))
+                else:
+                    log(f"retrieval: training {key}, seed {seed} ({cfg.rounds} rounds x {cfg.train.local_steps} "
+                        f"steps of {args.retrieval_train_length}-token prompts, {cfg.num_clients} clients, "
+                        f"lr {cfg.train.lr:g})")
+                    summary = run(cfg)
                 start = time.time()
                 scored = score(args, out, spec, seed, summary)
                 log(f"retrieval {key}, seed {seed}: {int(np.sum(scored['correct'] > 0.5))}/{len(scored['correct'])} "
@@ -157,7 +166,9 @@ def section_retrieval(args, out: Path) -> dict:
                                         int(np.sum(scored["length"] == n))] for n in args.passkey_lengths},
                 "answer_loss": {str(n): float(np.mean(scored["loss"][scored["length"] == n]))
                                 for n in args.passkey_lengths if np.any(scored["length"] == n)},
-                "gate_alpha_by_round": gate_by_round(summary["run_dir"]) if spec.startswith("fednl") else None,
+                "gate_alpha_by_round": (gate_by_round(summary["run_dir"]) if spec.startswith("fednl") and spec != ROUND0
+                                        else None),
+                "lr": None if spec == ROUND0 else float(getattr(args, "retrieval_lrs", {}).get(key, args.lr)),
                 "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
                 "run_dir": summary["run_dir"]}
             (out / "retrieval.json").write_text(json.dumps(result, indent=2))
