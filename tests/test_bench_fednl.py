@@ -330,12 +330,16 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
     args.retrieval_resume = tmp_path
     again = retrieval.section_retrieval(args, tmp_path / "again")
     assert again["runs"]["1"]["fednl"]["per_length"] == runs["fednl"]["per_length"]
+    # a run stopped before it was scored is set aside, and the new one takes its folder's name
+    (tmp_path / "round0" / "retrieval_fednl-round0_s1").mkdir(parents=True)
     # the no-training arm scores FedNL at init on the same prompts, training nothing
     untrained = parse_args(["--quick", "--sections", "retrieval", "--passkey-lengths", "256", "--passkey-prompts", "4",
                             "--retrieval-seeds", "1", "--retrieval-algorithms", "fednl:round0"])
     untrained.threads = 1
     round0 = retrieval.section_retrieval(untrained, tmp_path / "round0")["runs"]["1"]["fednl-round0"]
     assert round0["per_length"]["256"][1] == 4 and round0["lr"] is None and round0["gate_alpha_by_round"] is None
+    assert round0["run_dir"].endswith("retrieval_fednl-round0_s1")
+    assert len(list((tmp_path / "round0").glob("retrieval_fednl-round0_s1.stopped-*"))) == 1
     for bad in (["--retrieval-window", "200"], ["--retrieval-algorithms", "fednl:gate,fedavg-lora"]):
         with pytest.raises(SystemExit):
             parse_args(["--sections", "retrieval", *bad])

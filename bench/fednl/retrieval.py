@@ -147,6 +147,10 @@ def section_retrieval(args, out: Path) -> dict:
                 log(f"retrieval {key}, seed {seed}: taken from {earlier}")
             else:
                 cfg = retrieval_cfg(args, out, spec, seed)
+                stopped = out / f"retrieval_{key}_s{seed}"
+                if stopped.is_dir() and not (stopped / "retrieval_items.npz").is_file():
+                    # a run stopped before it was scored: set aside, so this one takes the folder's name
+                    stopped.rename(out / f"{stopped.name}.stopped-{time.strftime('%Y%m%d-%H%M%S')}")
                 if spec == ROUND0:  # no training: the untrained model, scored into a folder of its own
                     summary = {"final_state": None, "run_dir": str(out / f"retrieval_{key}_s{seed}")}
                     Path(summary["run_dir"]).mkdir(parents=True, exist_ok=True)
