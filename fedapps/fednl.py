@@ -76,6 +76,7 @@ def memory_config(cfg) -> FedNLConfig:
             use_fla=use_fla if use_fla is None else bool(use_fla),
             memory_heads=str(memory.get("memory_heads", FedNLConfig.memory_heads)),
             key_centering=memory.get("key_centering", FedNLConfig.key_centering),
+            layers=None if memory.get("layers") is None else [int(i) for i in memory.layers],
         )
     except (TypeError, ValueError) as err:
         raise FedNLSetupError(f"invalid algorithm.memory: {err}") from None

@@ -66,6 +66,12 @@ def gate_alpha(state: Mapping[str, np.ndarray]) -> list[float]:
     return [float(np.mean(1.0 / (1.0 + np.exp(-v.astype(np.float64))))) for _, v in gates]
 
 
+def gate_layers(state: Mapping[str, np.ndarray]) -> list[int]:
+    """The layer index of each gate :func:`gate_alpha` reports, in the same order (FedNL's ``memory.layers``
+    may leave layers without a memory)."""
+    return sorted(int(m.group(1)) for k in state if k.endswith("fednl_gate") and (m := _LAYER.search(k)))
+
+
 class FedNL(PayloadFedAvg):
     """FedAvg over FedNL's θ (meta-rules or gate-only), validated and metered."""
 
@@ -79,3 +85,4 @@ class FedNL(PayloadFedAvg):
 
     def train_ended(self, server_round: int) -> None:
         self.ledger.current["gate_alpha"] = gate_alpha(self.global_state)
+        self.ledger.current["gate_layers"] = gate_layers(self.global_state)

@@ -321,6 +321,7 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
     alphas = runs["fednl"]["gate_alpha_by_round"]
     assert len(alphas) == 1 and len(alphas[0]) == 2 and 0 < alphas[0][0] < 1  # one round, two layers
     assert runs["fedavg-lora"]["gate_alpha_by_round"] is None
+    assert runs["fednl"]["gate_layers"] == [0, 1] and "| round | L0 | L1 |" in retrieval.retrieval_lines(result)
     assert set(result["paired"]["256"]) >= {"fednl-ablate", "fedavg-lora"}
     assert result["paired"]["256"]["fednl-ablate"]["prompts"] == 4
     text = retrieval.retrieval_lines(result)

@@ -233,3 +233,13 @@ def test_fednl_passkey_preset_is_the_setting_the_gate_runs_chose():
     assert (cfg.rounds, cfg.train.local_steps, cfg.train.batch_size, list(cfg.task.train_lengths)) == (6, 10, 1, [512])
     ablation = compose("algorithm.ablate_memory=true", preset="fednl-passkey")
     assert ablation.algorithm.ablate_memory and ablation.algorithm.memory.window == 64
+
+
+def test_fednl_memory_layers_compose_and_bad_ones_fail_when_composed():
+    from fedapps.fednl import memory_config
+
+    assert memory_config(compose("algorithm.memory.layers=[18,12]", algorithm="fednl")).layers == (12, 18)
+    assert memory_config(compose(algorithm="fednl")).layers is None
+    for bad in ("algorithm.memory.layers=[]", "algorithm.memory.layers=[3,3]", "algorithm.memory.layers=[-1]"):
+        with pytest.raises(ConfigError, match="layers"):
+            compose(bad, algorithm="fednl")

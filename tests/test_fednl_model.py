@@ -303,6 +303,32 @@ def test_key_centring_streams_generates_and_ignores_padding(llama, window):
     assert (alone - batched).abs().max() <= 1e-4
 
 
+# --------------------------------------------------------------------------- a memory in some layers only
+@pytest.mark.parametrize("window", [None, 24])
+def test_layers_without_a_memory_run_the_softmax_path_alone(llama, window):
+    from clients.fednl import dual_path_attentions
+
+    model = with_memory(llama, window=window, chunk_size=32, layers=[1])
+    assert [a.layer_idx for a in memory_attentions(model)] == [1] and len(dual_path_attentions(model)) == 2
+    assert not any("layers.0." in n for n, _ in model.named_parameters() if "fednl_" in n)
+    # layer 0 is the backbone's own attention (windowed as asked), whatever layer 1's memory does
+    with torch.no_grad():
+        ids = tokens(2, 150)
+        backbone_like = with_memory(llama, window=window, chunk_size=32, layers=[1])
+        memory_attentions(backbone_like)[0].fednl_gate.fill_(-100.0)
+        assert torch.equal(backbone_like(ids).logits, with_memory(llama, window=window, chunk_size=32,
+                                                                   gate_init_logit=-100.0)(ids).logits)
+        full = model(ids).logits
+    assert (stream_logits(model, ids, block=64) - full).abs().max() <= 1e-4
+    names = meta_rule_names(get_peft_model(model, LoraConfig(target_modules=["q_proj", "k_proj", "v_proj"])))
+    assert sum("fednl_gate" in n for n in names) == 1
+
+
+def test_a_layer_the_model_lacks_is_refused(llama):
+    with pytest.raises(ValueError, match=r"layers \[5\] are not among the model's attention layers 0..1"):
+        add_delta_memory(copy.deepcopy(llama), FedNLConfig(layers=[1, 5]))
+
+
 # --------------------------------------------------------------------------- configuration errors
 @pytest.mark.parametrize(
     "kwargs, match",
@@ -315,6 +341,10 @@ def test_key_centring_streams_generates_and_ignores_padding(llama, window):
         ({"use_fla": "auto"}, "use_fla"),
         ({"gate_init_logit": float("nan")}, "gate_init_logit"),
         ({"key_centering": "yes"}, "key_centering"),
+        ({"layers": []}, "layers"),
+        ({"layers": [1, 1]}, "layers"),
+        ({"layers": [-1]}, "layers"),
+        ({"layers": 3}, "layers"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, match):
@@ -334,3 +364,15 @@ def test_bad_models_and_arguments_are_rejected(llama):
         FedNLStreamer(model, block=0)
     with pytest.raises(ValueError, match="form"):
         FedNLStreamer(model, form="parallel")
+
+
+def test_the_server_reports_each_gate_with_its_layer():
+    import numpy as np
+
+    from strategies.fednl import gate_alpha, gate_layers
+
+    state = {"base_model.model.model.layers.12.self_attn.fednl_gate": np.array([0.0], dtype=np.float32),
+             "base_model.model.model.layers.3.self_attn.fednl_gate": np.array([-100.0], dtype=np.float32),
+             "base_model.model.model.layers.3.self_attn.fednl_beta.bias": np.zeros(2, dtype=np.float32)}
+    assert gate_layers(state) == [3, 12]
+    assert gate_alpha(state) == pytest.approx([0.0, 0.5])

@@ -99,6 +99,14 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
         task="passkey", algorithm=name)
 
 
+def gate_layers_of(run_dir) -> list[int] | None:
+    """The layer index of each α :func:`gate_by_round` gives (None for runs recorded before it was kept)."""
+    from fedapps.outputs import read_metrics
+
+    rows = [r["gate_layers"] for r in read_metrics(run_dir) if r.get("gate_layers")]
+    return list(rows[-1]) if rows else None
+
+
 def gate_by_round(run_dir) -> list[list[float]]:
     """FedNL's global gate α per layer after every round (the server's record in metrics.jsonl)."""
     from fedapps.outputs import read_metrics
@@ -172,6 +180,8 @@ def section_retrieval(args, out: Path) -> dict:
                                 for n in args.passkey_lengths if np.any(scored["length"] == n)},
                 "gate_alpha_by_round": (gate_by_round(summary["run_dir"]) if spec.startswith("fednl") and spec != ROUND0
                                         else None),
+                "gate_layers": (gate_layers_of(summary["run_dir"]) if spec.startswith("fednl") and spec != ROUND0
+                                else None),
                 "lr": None if spec == ROUND0 else float(getattr(args, "retrieval_lrs", {}).get(key, args.lr)),
                 "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
                 "run_dir": summary["run_dir"]}
@@ -260,8 +270,9 @@ def retrieval_lines(result: dict | None) -> str:
     for seed, runs in result["runs"].items():
         alphas = (runs.get("fednl") or {}).get("gate_alpha_by_round")
         if alphas:
+            layers = (runs.get("fednl") or {}).get("gate_layers") or list(range(len(alphas[0])))
             lines += ["", f"FedNL's gate α per layer after each round (seed {seed}):", "",
-                      "| round | " + " | ".join(f"L{i}" for i in range(len(alphas[0]))) + " |",
+                      "| round | " + " | ".join(f"L{i}" for i in layers) + " |",
                       "|---:|" + "---:|" * len(alphas[0])]
             lines += [f"| {r} | " + " | ".join(f"{a:.3f}" for a in row) + " |" for r, row in enumerate(alphas, 1)]
     return "\n".join(lines) + "\n"

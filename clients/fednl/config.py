@@ -31,6 +31,9 @@ class FedNLConfig:
     # norm: a pretrained model's keys share a large common direction (SmolLM2: mean cosine 0.8 between the
     # keys of one prompt), so every write overwrites every other; centred keys keep them apart (#44)
     key_centering: bool = False
+    # the layers (indices) that carry a memory; None = every layer. The others keep the (windowed) softmax
+    # path alone, with no gate and no β: fewer layers write and read, and θ is smaller
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -51,6 +54,12 @@ class FedNLConfig:
             raise ValueError(f"memory_heads must be one of {MEMORY_HEADS}, got {self.memory_heads!r}")
         if not isinstance(self.key_centering, bool):
             raise ValueError(f"key_centering must be true or false, got {self.key_centering!r}")
+        if self.layers is not None:
+            layers = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else None
+            if (not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+                    or len(set(layers)) != len(layers)):
+                raise ValueError(f"layers must be None or distinct non-negative layer indices, got {self.layers!r}")
+            self.layers = tuple(sorted(layers))
         if self.use_fla not in (None, True, False):
             raise ValueError(f"use_fla must be None, True or False, got {self.use_fla!r}")
         for name in ("gate_init_logit", "beta_init_logit"):

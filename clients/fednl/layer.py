@@ -25,6 +25,8 @@ and the weights sum to one. Choices, where the papers leave room:
   the activation's L2 norm. A pretrained model's keys share one large direction (SmolLM2: mean cosine
   0.8 between the keys of one prompt), so with raw keys every write overwrites every other; the running
   sum and count ride on the stream and the HF cache like the memory itself.
+* ``layers``: the layers that carry a memory (None: all); the others keep the (windowed) softmax
+  path alone, with no gate or β.
 * ``beta_t = sigmoid(w_h . x_t + b_h)`` per memory head from the layer input (``beta="input"``)
   or a learnable per-head constant (``beta="constant"``). Padding tokens get beta = 0 and
   never write to the memory.
@@ -297,6 +299,11 @@ def dual_path_attention_forward(
             total = k_all.shape[2]
             allowed = _windowed_mask(attention_mask, batch, length, total, config.window, q_rot.device, layer_sink(self))
             soft = _softmax_attention(q_rot, k_all, v_all, allowed, self.scaling, dropout, self.num_key_value_groups)
+
+    if self.fednl_gate is None:  # a layer without a memory (FedNLConfig.layers): the softmax path alone
+        if stream is not None:
+            stream.seen += length
+        return self.o_proj(soft.reshape(batch, length, -1)), attn_weights
 
     # ---- memory path: delta rule on the pre-RoPE projections
     linear_dtype = query.dtype if fla_usable(query) and config.use_fla is not False else torch.float32

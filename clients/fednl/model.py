@@ -27,9 +27,15 @@ def _is_attention(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in _ATTENTION_ATTRIBUTES)
 
 
-def memory_attentions(model: nn.Module) -> list[nn.Module]:
-    """The attention modules that carry a delta memory, in layer order."""
+def dual_path_attentions(model: nn.Module) -> list[nn.Module]:
+    """Every attention module FedNL rewired (a memory or, outside ``FedNLConfig.layers``, the windowed
+    softmax path alone), in layer order."""
     return [m for m in model.modules() if getattr(m, "fednl_config", None) is not None]
+
+
+def memory_attentions(model: nn.Module) -> list[nn.Module]:
+    """The attention modules that carry a delta memory (a gate and β), in layer order."""
+    return [m for m in dual_path_attentions(model) if getattr(m, "fednl_gate", None) is not None]
 
 
 def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.Module:
@@ -37,13 +43,15 @@ def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.
 
     Each attention module keeps its own projections and parameter names; it gains
     ``fednl_gate`` (the memory gate's logit) and ``fednl_beta`` (a :class:`BetaProjection`),
-    both trainable float32, and its ``forward`` is replaced by the dual-path one. Every
+    both trainable float32, and its ``forward`` is replaced by the dual-path one. With
+    ``config.layers``, only those layers (``layer_idx``) get a memory; the others run the
+    (windowed) softmax path alone, their ``fednl_gate`` and ``fednl_beta`` None. Every
     parameter that existed before is frozen. Returns ``model``.
     """
     config = config or FedNLConfig()
     if not isinstance(config, FedNLConfig):
         raise TypeError(f"config must be a FedNLConfig, got {type(config).__name__}")
-    if memory_attentions(model):
+    if dual_path_attentions(model):
         raise ValueError("this model already has a FedNL delta memory")
     attentions = [m for m in model.modules() if _is_attention(m)]
     if not attentions:
@@ -51,8 +59,19 @@ def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.
             f"no self-attention module with q_proj/k_proj/v_proj/o_proj found in {type(model).__name__}; "
             "FedNL supports Llama-family decoders (Llama, Qwen2, SmolLM2, ...)"
         )
+    indices = [getattr(attn, "layer_idx", None) for attn in attentions]
+    indices = indices if all(isinstance(i, int) for i in indices) else list(range(len(attentions)))
+    unknown = sorted(set(config.layers or ()) - set(indices))
+    if unknown:
+        raise ValueError(f"layers {unknown} are not among the model's attention layers 0..{len(attentions) - 1}")
     model.requires_grad_(False)
-    for attn in attentions:
+    for index, attn in zip(indices, attentions):
+        attn.fednl_config = config
+        attn.fednl_stream = None  # set only while a FedNLStreamer runs a block
+        attn.forward = types.MethodType(dual_path_attention_forward, attn)
+        if config.layers is not None and index not in config.layers:  # the softmax path alone
+            attn.fednl_gate = attn.fednl_beta = None
+            continue
         num_heads = attn.config.num_attention_heads
         channels = num_heads * attn.head_dim
         # one memory, and one beta, per query head or per key/value head (memory_heads)
@@ -63,9 +82,6 @@ def add_delta_memory(model: nn.Module, config: FedNLConfig | None = None) -> nn.
         attn.fednl_beta = BetaProjection(attn.config.hidden_size, memories, config.beta, config.beta_init_logit).to(
             device
         )
-        attn.fednl_config = config
-        attn.fednl_stream = None  # set only while a FedNLStreamer runs a block
-        attn.forward = types.MethodType(dual_path_attention_forward, attn)
     return model
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from clients.fednl.layer import LayerStream, layer_sink
-from clients.fednl.model import memory_attentions
+from clients.fednl.model import dual_path_attentions, memory_attentions
 
 Tensor = torch.Tensor
 
@@ -94,8 +94,8 @@ class FedNLStreamer(BlockStreamer):
         if form not in STREAM_FORMS:
             raise ValueError(f"form must be one of {STREAM_FORMS}, got {form!r}")
         self.form = form
-        self.attentions = memory_attentions(model)
-        if not self.attentions:
+        self.attentions = dual_path_attentions(model)  # (those without a memory stream their window alone)
+        if not memory_attentions(model):
             raise ValueError("the model has no FedNL memory; call add_delta_memory(model, config) first")
         self.reset()
 
