@@ -243,6 +243,19 @@ class LayerStream:
         return sum(t.numel() * t.element_size() for t in (self.memory, self.keys, self.values, *stats) if t is not None)
 
 
+def _carried(past_key_values, slot: str, layer: int, past: int, what: str):
+    """What a FedNL layer keeps on the HF cache between calls (``slot``: its dict there, by layer): that
+    dict (None without a cache) and this layer's entry from the tokens before (None at the start)."""
+    if past_key_values is None:
+        return None, None
+    states = past_key_values.__dict__.setdefault(slot, {})
+    earlier = states.get(layer) if past > 0 else None
+    if past > 0 and earlier is None:
+        raise ValueError(f"layer {layer}: the cache holds {past} tokens but no {what}; "
+                         "continue only caches produced by this FedNL model")
+    return states, earlier
+
+
 def dual_path_attention_forward(
     self: nn.Module,
     hidden_states: Tensor,
@@ -316,13 +329,7 @@ def dual_path_attention_forward(
         if stream is not None:
             key, stream.key_stats = centre_keys(key, None, stream.key_stats)
         else:
-            stats = None if past_key_values is None else past_key_values.__dict__.setdefault("fednl_key_stats", {})
-            earlier = None
-            if past > 0:
-                earlier = stats.get(self.layer_idx)
-                if earlier is None:
-                    raise ValueError(f"layer {self.layer_idx}: the cache holds {past} tokens but no key statistics "
-                                     "of the memory; continue only caches produced by this FedNL model")
+            stats, earlier = _carried(past_key_values, "fednl_key_stats", self.layer_idx, past, "key statistics")
             key, final_stats = centre_keys(key, valid, earlier)
             if stats is not None:
                 stats[self.layer_idx] = final_stats
@@ -346,15 +353,7 @@ def dual_path_attention_forward(
         )
         stream.seen += length
     else:
-        states = None if past_key_values is None else past_key_values.__dict__.setdefault("fednl_states", {})
-        initial = None
-        if past > 0:
-            initial = states.get(self.layer_idx)
-            if initial is None:
-                raise ValueError(
-                    f"layer {self.layer_idx}: the cache holds {past} tokens but no delta-memory state; "
-                    "continue only caches produced by this FedNL model"
-                )
+        states, initial = _carried(past_key_values, "fednl_states", self.layer_idx, past, "delta-memory state")
         memory_out, final = delta_rule_chunked(
             q_mem, k_mem, v_mem, beta.to(linear_dtype), config.chunk_size, initial, use_fla=config.use_fla
         )
