@@ -295,6 +295,17 @@ def test_throughput_times_both_memory_heads_and_reports_the_ratio_with_its_sprea
     text = render_report(parse_args([]), {"throughput": tp}, "cmd")
     assert "| FedNL, memory_heads=kv (default) | 700 | 270.0 | 135.0 | **0.95x** (0.96, 0.90..1.01) |" in text
     assert "| FedNL, memory_heads=query | 800 | 230.0 |" in text
+    variant = {**tp, "tokens_per_second": {**tp["tokens_per_second"], "fednl algorithm.memory.layers=[1]": 280.0},
+               "tokens_per_cpu_second": {**tp["tokens_per_cpu_second"], "fednl algorithm.memory.layers=[1]": 140.0},
+               "ratios": {**tp["ratios"], "fednl algorithm.memory.layers=[1]": {"wall": ratio, "cpu": ratio}},
+               "trainable": {**tp["trainable"], "fednl algorithm.memory.layers=[1]": 650}}
+    assert "| FedNL, algorithm.memory.layers=[1] | 650 | 280.0 |" in render_report(parse_args([]), {"throughput": variant},
+                                                                                    "cmd")
+    assert parse_args(["--throughput-variants", "algorithm.memory.layers=[1];algorithm.memory.window=64"]
+                      ).throughput_variants == [["algorithm.memory.layers=[1]"], ["algorithm.memory.window=64"]]
+    with pytest.raises(SystemExit):
+        parse_args(["--throughput-variants", "algorithm.memory.layerz=[1]"])
+    assert "--throughput-variants" in capsys.readouterr().err
     assert "Load average (1, 5, 15 min) before and after the timed loop: 2.00, 1.50, 1.00 -> 2.00, 1.50, 1.00." in text
     old = {k: v for k, v in tp.items() if k not in ("ratios", "memory_heads", "load_average")}  # an earlier run's JSON
     old["tokens_per_second"] = {"fednl": 231.0, "lora-qkv": 287.7}

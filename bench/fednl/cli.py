@@ -90,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--throughput-memory-heads", default="query,kv",
                    help="comma list of FedNL's algorithm.memory.memory_heads modes timed side by side (query: one "
                         "memory per query head, kv: one per key/value head); the default mode is always timed")
+    p.add_argument("--throughput-variants", default="",
+                   help="FedNL variants timed beside the default, separated by ';', each a space-separated list of "
+                        "Hydra overrides, e.g. \"algorithm.memory.layers=[12,18,23];algorithm.memory.window=64\"")
     p.add_argument("--throughput-profile", action="store_true",
                    help="also profile one step of FedNL and of plain LoRA (torch.profiler): where FedNL's extra "
                         "time goes, by operator")
@@ -168,6 +171,18 @@ def parse_args(argv=None):
         p.error(f"--throughput-chunks must be a comma list of integers, got {args.throughput_chunks!r}")
     if any(c < 1 for c in args.throughput_chunks):
         p.error("--throughput-chunks must be positive")
+    try:
+        args.throughput_variants = [shlex.split(v) for v in args.throughput_variants.split(";") if v.strip()]
+    except ValueError as err:
+        p.error(f"--throughput-variants: {err}")
+    if args.throughput_variants and not args.render:  # a typo fails here, not after the other models are built
+        from fedapps.config import compose
+
+        for variant in args.throughput_variants:
+            try:
+                compose([*variant, f"model={args.model}"], algorithm="fednl", task="mmlu")
+            except ValueError as err:
+                p.error(f"--throughput-variants {' '.join(variant)!r}: {err}")
     args.throughput_memory_heads = [m for m in args.throughput_memory_heads.split(",") if m]
     bad = [m for m in args.throughput_memory_heads if m not in ("query", "kv")]
     if bad:

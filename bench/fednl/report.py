@@ -151,12 +151,12 @@ def report(args, results: dict, command: str) -> str:
                   f"FedNL / plain LoRA = **{tp['ratio']:.2f}x** wall-clock, **{tp['cpu_ratio']:.2f}x** per CPU-second "
                   "(target >= 0.9x: " + ("met" if max(tp["ratio"], tp["cpu_ratio"]) >= 0.9 else "not met")
                   + "; on a shared machine the CPU-time ratio is the steadier one).", ""]
-        heads = [k for k in rates if k.startswith("fednl memory_heads=")]
+        heads = [k for k in rates if k.startswith("fednl ") and not k.startswith("fednl chunk")]  # + variants
         ratios = tp.get("ratios", {})
         if heads or ratios:
             default = tp.get("memory_heads", "query")
-            lines += ["FedNL's memory heads side by side (one memory per query head, or per key/value head), "
-                      "timed in the same interleaved loop; the ratio to plain LoRA from the mean step times and, "
+            lines += ["FedNL's memory heads side by side (one memory per query head, or per key/value head) and "
+                      "the --throughput-variants, timed in the same interleaved loop; the ratio to plain LoRA from the mean step times and, "
                       "round by round, its median and range:", "",
                       "| model | trainable values | tokens/s (wall) | tokens per CPU-second | / LoRA wall (median, "
                       "range) | / LoRA CPU (median, range) |", "|---|---:|---:|---:|---:|---:|"]

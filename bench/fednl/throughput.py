@@ -36,6 +36,9 @@ def section_throughput(args) -> dict:
     for extra in (c for c in args.throughput_chunks if c != chunk):
         cfg = compose([*base, f"algorithm.memory.chunk_size={extra}"], algorithm="fednl", task="mmlu")
         models[f"fednl chunk {extra}"] = fednl.prepare(cfg)[0]
+    for variant in getattr(args, "throughput_variants", []):
+        cfg = compose([*base, *variant], algorithm="fednl", task="mmlu")
+        models["fednl " + " ".join(variant)] = fednl.prepare(cfg)[0]
     vocab = models["fednl"].get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab, (args.throughput_batch, args.throughput_seq), generator=generator)
