@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -94,7 +95,7 @@ def tune(args, extra: list[str]) -> int:
         raise SystemExit(f"{record_path} was tuned with other training settings {record['bench_args']}: "
                          "use another --out")
     record["bench_args"] = extra
-    record["calls"].append({"command": "python -m bench.fednl.retrieval_protocol " + " ".join(sys.argv[1:]),
+    record["calls"].append({"command": "python -m bench.fednl.retrieval_protocol " + shlex.join(sys.argv[1:]),
                             "date": time.strftime("%Y-%m-%d")})
     for arm, values in grids.items():
         for lr in values:
@@ -214,7 +215,7 @@ def evaluate(args) -> int:
     result["verdicts"] = verdicts
     (out / "retrieval.json").write_text(json.dumps(result, indent=2, default=str))
     lines = [f"# FedNL's passkey comparison under {args.protocol} (committed at {commit[:12]})", "",
-             f"Made by `python -m bench.fednl.retrieval_protocol {' '.join(sys.argv[1:])}`, "
+             f"Made by `python -m bench.fednl.retrieval_protocol {shlex.join(sys.argv[1:])}`, "
              f"{time.strftime('%Y-%m-%d')}. Evaluation seeds {spec['evaluation_seeds']} (tuned on "
              f"{spec['tuning_seeds']}, validation); learning rates: "
              + ", ".join(f"{k} {v:g}" for k, v in parsed.retrieval_lrs.items())
