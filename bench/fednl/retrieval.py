@@ -70,6 +70,12 @@ def finish_args(p, args) -> None:
         p.error(f"--retrieval-resume: no such folder {str(args.retrieval_resume)!r}")
 
 
+def lr_of(args, key: str) -> float:
+    """A result key's learning rate: its own (``args.retrieval_lrs``, set by bench.fednl.retrieval_protocol)
+    or ``--lr``."""
+    return getattr(args, "retrieval_lrs", {}).get(key, args.lr)
+
+
 def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = False):
     """The training run of ``spec`` (clients by filler), or with ``scoring`` one client holding every
     held-out prompt of the seed (the same prompts for every algorithm: they are seeded by split, seed,
@@ -89,7 +95,7 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
     lengths = ",".join(str(x) for x in args.passkey_lengths)
     return compose(
         [*overrides, f"model={args.model}", f"seed={seed}",
-         f"train.lr={getattr(args, 'retrieval_lrs', {}).get(spec_key(spec), args.lr)}", "train.batch_size=1",
+         f"train.lr={lr_of(args, spec_key(spec))}", "train.batch_size=1",
          "train.threads=1", "eval.batch_size=1", f"rounds={args.retrieval_rounds}", f"num_clients={clients}",
          f"train.local_steps={args.retrieval_steps}", f"task.fillers=[{','.join(fillers)}]",
          f"task.train_per_filler={per_filler}", f"task.train_lengths=[{args.retrieval_train_length}]",
@@ -99,19 +105,14 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
         task="passkey", algorithm=name)
 
 
-def gate_layers_of(run_dir) -> list[int] | None:
-    """The layer index of each α :func:`gate_by_round` gives (None for runs recorded before it was kept)."""
+def gate_by_round(run_dir) -> tuple[list[list[float]], list[int] | None]:
+    """FedNL's global gate α per layer after every round (the server's record in metrics.jsonl), and the
+    layer index of each α (None for runs recorded before ``gate_layers`` was kept)."""
     from fedapps.outputs import read_metrics
 
-    rows = [r["gate_layers"] for r in read_metrics(run_dir) if r.get("gate_layers")]
-    return list(rows[-1]) if rows else None
-
-
-def gate_by_round(run_dir) -> list[list[float]]:
-    """FedNL's global gate α per layer after every round (the server's record in metrics.jsonl)."""
-    from fedapps.outputs import read_metrics
-
-    return [list(r["gate_alpha"]) for r in read_metrics(run_dir) if r.get("gate_alpha")]
+    rows = [r for r in read_metrics(run_dir) if r.get("gate_alpha")]
+    layers = [r["gate_layers"] for r in rows if r.get("gate_layers")]
+    return [list(r["gate_alpha"]) for r in rows], (list(layers[-1]) if layers else None)
 
 
 def score(args, out: Path, spec: str, seed: int, summary: dict) -> dict:
@@ -173,16 +174,16 @@ def section_retrieval(args, out: Path) -> dict:
                 log(f"retrieval {key}, seed {seed}: {int(np.sum(scored['correct'] > 0.5))}/{len(scored['correct'])} "
                     f"exact ({time.time() - start:.0f} s scoring)")
             items.setdefault(str(seed), {})[key] = scored
+            trained_fednl = spec.startswith("fednl") and spec != ROUND0
+            alphas, layers = gate_by_round(summary["run_dir"]) if trained_fednl else (None, None)
             result["runs"].setdefault(str(seed), {})[key] = {
                 "per_length": {str(n): [int(np.sum(scored["correct"][scored["length"] == n] > 0.5)),
                                         int(np.sum(scored["length"] == n))] for n in args.passkey_lengths},
                 "answer_loss": {str(n): float(np.mean(scored["loss"][scored["length"] == n]))
                                 for n in args.passkey_lengths if np.any(scored["length"] == n)},
-                "gate_alpha_by_round": (gate_by_round(summary["run_dir"]) if spec.startswith("fednl") and spec != ROUND0
-                                        else None),
-                "gate_layers": (gate_layers_of(summary["run_dir"]) if spec.startswith("fednl") and spec != ROUND0
-                                else None),
-                "lr": None if spec == ROUND0 else float(getattr(args, "retrieval_lrs", {}).get(key, args.lr)),
+                "gate_alpha_by_round": alphas,
+                "gate_layers": layers,
+                "lr": None if spec == ROUND0 else float(lr_of(args, key)),
                 "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
                 "run_dir": summary["run_dir"]}
             (out / "retrieval.json").write_text(json.dumps(result, indent=2))
