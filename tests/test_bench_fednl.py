@@ -448,3 +448,43 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
     assert verdict["fednl_minus_ablation_pp"] == pytest.approx(50.0) and verdict["pairs"] == 20
     assert verdict["gain"] == "met" and verdict["share_recovered"] == pytest.approx(0.5) and verdict["share_met"]
     assert "committed at" in (tmp_path / "eval" / "retrieval.md").read_text()
+
+
+def test_stream_texts_pairs_fednl_with_its_ablation_text_by_text_and_resumes(tmp_path, monkeypatch, capsys):
+    """Issue #44 item 5's tool on the tiny model at init: every token of each play scored, the halves and
+    the paired second-half difference computed from those numbers, a second call streams nothing, and
+    folders of the wrong kind are refused."""
+    from bench.fednl import stream_texts
+    from bench.fednl.retrieval import retrieval_cfg
+    from fedapps.config import to_yaml
+
+    args = parse_args(["--quick", "--sections", "retrieval"])
+    folders = {}
+    for spec, key in (("fednl:meta-rules", "fednl"), ("fednl:ablate", "ablation")):
+        folders[key] = tmp_path / key
+        folders[key].mkdir()
+        (folders[key] / "config.yaml").write_text(to_yaml(retrieval_cfg(args, tmp_path, spec, 1)))
+        (folders[key] / "summary.json").write_text(json.dumps({"final_state": None}))
+    argv = ["--fednl", str(folders["fednl"]), "--ablation", str(folders["ablation"]), "--texts", "3",
+            "--length", "2048", "--threads", "1", "--out", str(tmp_path / "out")]
+    assert stream_texts.main(argv) == 0
+    result = json.loads((tmp_path / "out" / "stream_texts.json").read_text())
+    assert len(result["plays"]) == 3 and len(set(result["plays"])) == 3
+    nll = {k: np.asarray([result["nll"][k][p] for p in result["plays"]]) for k in stream_texts.MODELS}
+    assert all(a.shape == (3, 2048) and np.all(a > 0) for a in nll.values())
+    assert not np.allclose(nll["fednl"], nll["fednl-ablate"])  # the memory at init (α = σ(−4) = 0.018) adds something
+    s = result["summary"]
+    second = nll["fednl"][:, 1024:].mean(axis=1) - nll["fednl-ablate"][:, 1024:].mean(axis=1)
+    assert s["fednl_minus_ablation_second_half"]["mean"] == pytest.approx(second.mean(), abs=1e-5)
+    fall = nll["fednl"][:, 1024:].mean(axis=1) - nll["fednl"][:, :1024].mean(axis=1)
+    assert s["fall"]["fednl"]["mean"] == pytest.approx(fall.mean(), abs=1e-5)
+    lo, hi = s["fall"]["fednl"]["ci95"]
+    assert lo < fall.mean() < hi and s["met"] == (hi < 0 and s["fednl_minus_ablation_second_half"]["ci95"][1] < 0)
+    assert len(s["bins"]["fednl"]) == 2 and (tmp_path / "out" / "stream_texts.png").is_file()
+    assert "paired over 3 texts" in (tmp_path / "out" / "stream_texts.md").read_text()
+    monkeypatch.setattr(stream_texts, "stream_text", lambda *a: pytest.fail("a streamed text was streamed again"))
+    assert stream_texts.main(argv) == 0
+    with pytest.raises(SystemExit, match="is not FedNL ablated"):
+        stream_texts.main([*argv[:2], "--ablation", str(folders["fednl"]), *argv[4:]])
+    with pytest.raises(SystemExit, match="--texts must be"):
+        stream_texts.main([*argv[:4], "--texts", "1", *argv[6:]])
