@@ -322,7 +322,7 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
 
     monkeypatch.setattr(retrieval, "run", inprocess.run)
     args = parse_args(["--quick", "--sections", "retrieval", "--passkey-lengths", "256",
-                       "--passkey-prompts", "4", "--retrieval-seeds", "1"])
+                       "--passkey-prompts", "4", "--retrieval-seeds", "1", "--retrieval-local-prompts", "2"])
     assert (args.retrieval_window, args.retrieval_rounds, args.retrieval_seeds) == (16, 1, [1])
     args.threads = 1
     result = retrieval.section_retrieval(args, tmp_path)
@@ -337,11 +337,19 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
     assert result["paired"]["256"]["fednl-ablate"]["prompts"] == 4
     text = retrieval.retrieval_lines(result)
     assert "| fednl | 1 |" in text and "gate α per layer" in text and "target FedNL ≥ ablation + 20 pp" in text
+    # the aggregation drop: every client's local model and the global one, on the client's first 2 prompts
+    for key in ("fednl", "fednl-ablate", "fedavg-lora"):
+        drop = runs[key]["aggregation_drop"]
+        assert drop["prompts"] == 2 and sorted(drop["clients"]) == ["0", "1"]
+        assert all(c["prompts"] == 2 and 0 <= c["global_accuracy"] <= 1 and c["local_loss"] > 0
+                   for c in drop["clients"].values())
+    assert "Aggregation drop" in text and "| FedNL − fedavg-lora (paired) | 2 |" in text
     # a second invocation resumes: nothing trains
     monkeypatch.setattr(retrieval, "run", lambda cfg: pytest.fail("a scored run was trained again"))
     args.retrieval_resume = tmp_path
     again = retrieval.section_retrieval(args, tmp_path / "again")
     assert again["runs"]["1"]["fednl"]["per_length"] == runs["fednl"]["per_length"]
+    assert again["runs"]["1"]["fednl"]["aggregation_drop"] == runs["fednl"]["aggregation_drop"]
     # a run stopped before it was scored is set aside, and the new one takes its folder's name
     (tmp_path / "round0" / "retrieval_fednl-round0_s1").mkdir(parents=True)
     # the no-training arm scores FedNL at init on the same prompts, training nothing
@@ -382,10 +390,11 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
 
     from bench.fednl import retrieval, retrieval_protocol
 
-    calls = []
+    calls, local_prompts = [], []
 
     def fake_section(args, out):
         calls.append((args.retrieval_split, list(args.retrieval_algorithms), dict(args.retrieval_lrs)))
+        local_prompts.append(args.retrieval_local_prompts)
         result = {"model": "fake", "clients": 2, "rounds": 1, "steps": 1, "train_length": 256, "window": 16,
                   "sink": 4, "min_distance": 160, "split": args.retrieval_split, "lengths": args.passkey_lengths,
                   "runs": {}}
@@ -426,6 +435,8 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
     assert {arm: a.get("best", {}).get("train.lr") for arm, a in spec["arms"].items()} == \
         {"fednl": 3e-4, "fednl-ablate": 3e-4, "fedavg-lora": 3e-4, "round-0": None}
     assert "**passes**" in (out / "tuning.md").read_text()
+    # the aggregation drop is measured in the evaluation only (20 local prompts by default), never while tuning
+    assert spec["evaluation"]["local_prompts"] == 20 and set(local_prompts) == {0}
     # overlapping seeds and a missing arm are refused before anything runs
     with pytest.raises(SystemExit, match="overlap"):
         retrieval_protocol.main(["tune", *grids, "--tuning-seeds", "0", "--evaluation-seeds", "0", "--out",
@@ -444,6 +455,7 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
     (split, algorithms, lrs), = calls
     assert split == "test" and algorithms[-1] == "fednl:round0" and lrs == {"fednl": 3e-4, "fednl-ablate": 3e-4,
                                                                            "fedavg-lora": 3e-4}
+    assert local_prompts[-1] == 20
     verdict = json.loads((tmp_path / "eval" / "retrieval.json").read_text())["verdicts"]["256"]
     assert verdict["fednl_minus_ablation_pp"] == pytest.approx(50.0) and verdict["pairs"] == 20
     assert verdict["gain"] == "met" and verdict["share_recovered"] == pytest.approx(0.5) and verdict["share_met"]
@@ -488,3 +500,28 @@ def test_stream_texts_pairs_fednl_with_its_ablation_text_by_text_and_resumes(tmp
         stream_texts.main([*argv[:2], "--ablation", str(folders["fednl"]), *argv[4:]])
     with pytest.raises(SystemExit, match="--texts must be"):
         stream_texts.main([*argv[:4], "--texts", "1", *argv[6:]])
+
+
+def test_aggregation_drops_pool_seeds_and_clients_and_pair_fednl_with_each_model():
+    """bench.fednl.retrieval.drop_summary on hand numbers: drop = local − global, in pp and nats."""
+    from bench.fednl.retrieval import drop_summary
+
+    def run(*clients):
+        return {"aggregation_drop": {"prompts": 10, "clients": {
+            str(i): {"local_accuracy": la, "global_accuracy": ga, "local_loss": ll, "global_loss": gl}
+            for i, (la, ga, ll, gl) in enumerate(clients)}}}
+
+    result = {"runs": {
+        "0": {"fednl": run((0.5, 0.5, 1.0, 1.0), (0.6, 0.5, 1.0, 1.2)),
+              "fedavg-lora": run((0.9, 0.6, 0.2, 0.6), (0.8, 0.6, 0.3, 0.5)), "fednl-round0": {}},
+        "1": {"fednl": run((0.4, 0.4, 1.1, 1.0), (0.5, 0.6, 1.0, 1.0)),
+              "fedavg-lora": run((0.7, 0.6, 0.2, 0.4), (0.9, 0.5, 0.1, 0.3))}}}
+    s = drop_summary(result)
+    assert set(s) == {"fednl", "fedavg-lora", "fednl_minus"} and s["fednl"]["pairs"] == 4
+    assert s["fednl"]["pp"]["mean"] == pytest.approx(100 * (0 + 0.1 + 0 - 0.1) / 4)
+    assert s["fedavg-lora"]["ce"]["mean"] == pytest.approx((-0.4 - 0.2 - 0.2 - 0.2) / 4)
+    paired = s["fednl_minus"]["fedavg-lora"]
+    assert paired["pairs"] == 4 and paired["pp"]["mean"] == pytest.approx(100 * ((0 - 0.3) + (0.1 - 0.2) + (0 - 0.1)
+                                                                                 + (-0.1 - 0.4)) / 4)
+    lo, hi = paired["pp"]["ci95"]
+    assert lo < paired["pp"]["mean"] < hi

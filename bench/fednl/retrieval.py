@@ -44,6 +44,10 @@ def add_arguments(p) -> None:
                    help="retrieval: score the test prompts, or the validation ones (tuning)")
     p.add_argument("--retrieval-resume", default="",
                    help="retrieval: an earlier run folder: its scored runs are taken, only the others train")
+    p.add_argument("--retrieval-local-prompts", type=int, default=0,
+                   help="retrieval: the aggregation drop: each client scores its freshly trained model on its "
+                        "first K held-out prompts every round (algorithm.eval_local), the final global model is "
+                        "scored on the same prompts (0: off)")
 
 
 def finish_args(p, args) -> None:
@@ -65,6 +69,8 @@ def finish_args(p, args) -> None:
                 f"({args.retrieval_window}): the key must lie beyond the softmax window")
     if args.retrieval_train_length <= args.passkey_min_distance:
         p.error("--retrieval-train-length must exceed --passkey-min-distance")
+    if args.retrieval_local_prompts < 0:
+        p.error("--retrieval-local-prompts must be >= 0")
     args.retrieval_resume = Path(args.retrieval_resume) if args.retrieval_resume else None
     if args.retrieval_resume is not None and not args.retrieval_resume.is_dir():
         p.error(f"--retrieval-resume: no such folder {str(args.retrieval_resume)!r}")
@@ -83,7 +89,9 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
     from fedapps.config import compose
 
     name, overrides = algorithm_overrides("fednl:meta-rules" if spec == ROUND0 else spec)
-    overrides = [o for o in overrides if o != "algorithm.eval_local=true"] + ["algorithm.eval_local=false"]
+    local = 0 if scoring or spec == ROUND0 else getattr(args, "retrieval_local_prompts", 0)
+    overrides = [o for o in overrides if o != "algorithm.eval_local=true"] + [
+        f"algorithm.eval_local={'true' if local else 'false'}", *([f"eval.max_batches={local}"] if local else [])]
     if name == "fednl":
         overrides += [f"algorithm.memory.window={args.retrieval_window}", f"algorithm.memory.sink={args.passkey_sink}",
                       *args.fednl_overrides]
@@ -113,6 +121,38 @@ def gate_by_round(run_dir) -> tuple[list[list[float]], list[int] | None]:
     rows = [r for r in read_metrics(run_dir) if r.get("gate_alpha")]
     layers = [r["gate_layers"] for r in rows if r.get("gate_layers")]
     return [list(r["gate_alpha"]) for r in rows], (list(layers[-1]) if layers else None)
+
+
+def aggregation_drop(args, out: Path, spec: str, seed: int, summary: dict) -> dict | None:
+    """Each client's freshly trained model of the last round (its ``local-accuracy`` / ``local-loss`` on its
+    first ``--retrieval-local-prompts`` held-out prompts, recorded before aggregation) against the final
+    global model scored on the same prompts (the client's task, the same evaluation settings); kept as
+    ``aggregation_drop.json`` in the run's folder. None for the untrained arm."""
+    from clients.tasks import make_task
+    from clients.train import evaluate
+    from fedapps.outputs import read_metrics
+
+    if spec == ROUND0:
+        return None
+    path = Path(summary["run_dir"]) / "aggregation_drop.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    rows = [c for c in read_metrics(summary["run_dir"])[-1]["clients"] if "train_local-accuracy" in c]
+    if not rows:
+        raise RuntimeError(f"{summary['run_dir']}: no client scored its local model (algorithm.eval_local)")
+    cfg = retrieval_cfg(args, out, spec, seed)
+    model, tokenizer = load_trained(cfg, summary)
+    clients = {}
+    for row in sorted(rows, key=lambda c: int(c["train_partition-id"])):
+        pid = int(row["train_partition-id"])
+        scored = evaluate(model, make_task(cfg, pid, int(cfg.num_clients), tokenizer), cfg.eval)
+        clients[str(pid)] = {"local_accuracy": float(row["train_local-accuracy"]),
+                             "global_accuracy": float(scored["accuracy"]),
+                             "local_loss": float(row["train_local-loss"]), "global_loss": float(scored["loss"]),
+                             "prompts": int(scored["num-examples"])}
+    drop = {"clients": clients, "prompts": int(args.retrieval_local_prompts)}
+    path.write_text(json.dumps(drop, indent=1))
+    return drop
 
 
 def score(args, out: Path, spec: str, seed: int, summary: dict) -> dict:
@@ -174,6 +214,7 @@ def section_retrieval(args, out: Path) -> dict:
                 log(f"retrieval {key}, seed {seed}: {int(np.sum(scored['correct'] > 0.5))}/{len(scored['correct'])} "
                     f"exact ({time.time() - start:.0f} s scoring)")
             items.setdefault(str(seed), {})[key] = scored
+            drop = aggregation_drop(args, out, spec, seed, summary) if args.retrieval_local_prompts else None
             trained_fednl = spec.startswith("fednl") and spec != ROUND0
             alphas, layers = gate_by_round(summary["run_dir"]) if trained_fednl else (None, None)
             result["runs"].setdefault(str(seed), {})[key] = {
@@ -185,6 +226,7 @@ def section_retrieval(args, out: Path) -> dict:
                 "gate_layers": layers,
                 "lr": None if spec == ROUND0 else float(lr_of(args, key)),
                 "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
+                "aggregation_drop": drop,
                 "run_dir": summary["run_dir"]}
             (out / "retrieval.json").write_text(json.dumps(result, indent=2))
     result["paired"] = paired(items, args.passkey_lengths)
@@ -234,6 +276,36 @@ def paired(items: dict[str, dict[str, dict]], lengths) -> dict:
     return out
 
 
+def drop_summary(result: dict) -> dict:
+    """The aggregation drop (a client's local model − the global model on the client's own prompts) of every
+    trained model, pooled over seeds and clients: exact match (pp) and answer CE, each with its 95% t
+    interval; and FedNL's drop − each other model's, paired by (seed, client)."""
+    import numpy as np
+
+    from .stats import t_interval
+
+    drops: dict[str, dict[tuple, tuple[float, float]]] = {}
+    for seed, runs in result["runs"].items():
+        for key, scored in runs.items():
+            for client, c in ((scored.get("aggregation_drop") or {}).get("clients") or {}).items():
+                drops.setdefault(key, {})[(seed, client)] = (100 * (c["local_accuracy"] - c["global_accuracy"]),
+                                                             c["local_loss"] - c["global_loss"])
+    out: dict = {}
+    for key, by in drops.items():
+        if len(by) < 2:
+            continue
+        pp, ce = np.asarray(list(by.values())).T
+        out[key] = {"pp": t_interval(pp), "ce": t_interval(ce), "pairs": len(by)}
+    for key, by in drops.items():
+        shared = sorted(set(by) & set(drops.get("fednl", {})))
+        if key == "fednl" or len(shared) < 2:
+            continue
+        d = np.asarray([np.subtract(drops["fednl"][k], by[k]) for k in shared]).T
+        out.setdefault("fednl_minus", {})[key] = {"pp": t_interval(d[0]), "ce": t_interval(d[1]),
+                                                  "pairs": len(shared)}
+    return out
+
+
 def retrieval_lines(result: dict | None) -> str:
     """The section's markdown: exact match per model, length and seed; FedNL paired; the targets; α."""
     if not result:
@@ -268,6 +340,22 @@ def retrieval_lines(result: dict | None) -> str:
         if recovered and recovered["share"] is not None:
             lines.append(f"- share of the ablation → full-attention gap recovered: {recovered['share']:.0%} "
                          f"(target ≥ {TARGET_SHARE:.0%}: **{'met' if recovered['share'] >= TARGET_SHARE else 'not met'}**)")
+    drops = drop_summary(result)
+    if drops:
+        prompts = next(r["aggregation_drop"]["prompts"] for runs in result["runs"].values() for r in runs.values()
+                       if r.get("aggregation_drop"))
+        lines += ["", f"Aggregation drop: each client's last local model − the final global model, on the client's "
+                      f"first {prompts} held-out prompts; over seeds × clients, 95% t:", "",
+                  "| model | (seed, client) pairs | exact match drop (pp) | answer CE drop (nats) |", "|---|---:|---|---|"]
+
+        def cell(x):
+            return f"{x['mean']:+.3f} ({x['ci95'][0]:+.3f}..{x['ci95'][1]:+.3f})"
+
+        for key, row in drops.items():
+            if key != "fednl_minus":
+                lines.append(f"| {key} | {row['pairs']} | {cell(row['pp'])} | {cell(row['ce'])} |")
+        for key, row in (drops.get("fednl_minus") or {}).items():
+            lines.append(f"| FedNL − {key} (paired) | {row['pairs']} | {cell(row['pp'])} | {cell(row['ce'])} |")
     for seed, runs in result["runs"].items():
         alphas = (runs.get("fednl") or {}).get("gate_alpha_by_round")
         if alphas:

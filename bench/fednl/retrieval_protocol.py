@@ -20,6 +20,9 @@ recovered), and the training settings. ``evaluate`` refuses a protocol that fail
 committed as it is, runs every arm at its best learning rate on the test prompts of every evaluation seed
 (resumable), and writes ``retrieval.md`` / ``retrieval.json``: the section's tables, the protocol's
 commit, and the verdict by ``bench.protocol.verdict`` on the pooled paired difference's 95% interval.
+The evaluation runs also measure the aggregation drop (``--local-prompts`` of ``tune``, kept in the
+protocol; bench.fednl's ``--retrieval-local-prompts``): each client's last local model against the
+final global model on the client's own first held-out prompts.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ from .runs import log, spec_key
 
 ARMS = {spec_key(spec): spec for spec in ALGORITHMS}  # fednl, fednl-ablate, fedavg-lora
 MANAGED = ("--sections", "--retrieval-algorithms", "--retrieval-seeds", "--retrieval-split", "--lr", "--out",
-           "--retrieval-resume")  # set by this tool, never in the training settings
+           "--retrieval-resume", "--retrieval-local-prompts")  # set by this tool, never in the training settings
 
 
 def bench_args(extra: list[str], *, algorithms: list[str], seeds: list[int], split: str, out: Path, lengths=None,
-               prompts=None):
+               prompts=None, local_prompts=0):
     """bench.fednl's parsed arguments for one call of the retrieval section."""
     from .cli import parse_args
 
@@ -51,6 +54,8 @@ def bench_args(extra: list[str], *, algorithms: list[str], seeds: list[int], spl
         argv += ["--passkey-lengths", str(lengths)]
     if prompts:
         argv += ["--passkey-prompts", str(prompts)]
+    if local_prompts:
+        argv += ["--retrieval-local-prompts", str(local_prompts)]
     if out.is_dir():
         argv += ["--retrieval-resume", str(out)]
     return parse_args(argv)
@@ -137,7 +142,8 @@ def tune(args, extra: list[str]) -> int:
             "kind": "superiority", "margin": 100 * TARGET_GAIN, "metric": "exact match, pp (tuned on answer CE)",
             "targets": {"fednl_minus_ablation_pp": 100 * TARGET_GAIN, "p_below": TARGET_P,
                         "share_of_gap_recovered": TARGET_SHARE},
-            "bench_args": extra, "evaluation": {"lengths": args.lengths, "prompts": args.prompts},
+            "bench_args": extra, "evaluation": {"lengths": args.lengths, "prompts": args.prompts,
+                                                    "local_prompts": args.local_prompts},
             "arms": arms, "changes_after_results": []}
     if args.draft:
         why = protocol.write_draft(spec, out / args.draft)
@@ -189,7 +195,8 @@ def evaluate(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     parsed = bench_args(spec["bench_args"], algorithms=[*ALGORITHMS, ROUND0], seeds=spec["evaluation_seeds"],
                         split="test", out=runs, lengths=spec["evaluation"]["lengths"],
-                        prompts=spec["evaluation"]["prompts"])
+                        prompts=spec["evaluation"]["prompts"],
+                        local_prompts=int(spec["evaluation"].get("local_prompts", 0)))
     parsed.retrieval_lrs = {name: float(arm["best"]["train.lr"]) for name, arm in arms.items()}
     result = section_retrieval(parsed, runs)
     items = {}
@@ -250,6 +257,8 @@ def main(argv=None) -> int:
     t.add_argument("--evaluation-seeds", type=int, nargs="+", default=[0, 1, 2])
     t.add_argument("--lengths", default="512,1024", help="the evaluation's prompt lengths")
     t.add_argument("--prompts", type=int, default=200, help="the evaluation's held-out prompts per length")
+    t.add_argument("--local-prompts", type=int, default=20,
+                   help="the evaluation's aggregation drop: held-out prompts each client scores its local model on")
     t.add_argument("--out", required=True, help="tuning.json, tuning.md and the drafted protocol")
     t.add_argument("--runs", required=True, help="the tuning runs' folders (resumable)")
     t.add_argument("--draft", default="", help="file name (in --out) of the protocol drafted from the runs")

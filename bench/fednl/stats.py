@@ -78,3 +78,17 @@ def drop_interval(run: dict, questions: int) -> tuple[float, float, float]:
     variance = sum(p * (1 - p) / questions for p in (*federated, *local)) / len(drops) ** 2
     mean, half = sum(drops) / len(drops), 1.959964 * math.sqrt(variance)
     return mean, mean - half, mean + half
+
+
+def t_interval(values) -> dict:
+    """Mean, 95% t interval and the two-sided p of a one-sample t test against 0."""
+    import math
+
+    import numpy as np
+    from scipy import stats
+
+    x = np.asarray(values, dtype=float)
+    mean, sem = float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
+    half = float(stats.t.ppf(0.975, len(x) - 1) * sem)
+    p = float(stats.ttest_1samp(x, 0.0).pvalue) if sem > 0 else (0.0 if mean != 0 else 1.0)
+    return {"mean": mean, "ci95": [mean - half, mean + half], "p": p, "n": int(len(x))}

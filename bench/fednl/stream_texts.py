@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 from .runs import load_trained, log
+from .stats import t_interval
 
 MODELS = ("fednl", "fednl-ablate")
 LABELS = {"fednl": "FedNL (memory)", "fednl-ablate": "its ablation (memory off)"}
@@ -49,18 +49,6 @@ def pick_plays(texts: int, named: list[str] | None = None) -> list[str]:
     if not 2 <= texts <= len(plays):
         raise SystemExit(f"--texts must be 2..{len(plays)} (a paired t needs two), got {texts}")
     return [plays[(i * len(plays)) // texts] for i in range(texts)]
-
-
-def t_interval(values) -> dict:
-    """Mean, 95% t interval and the two-sided p of a one-sample t test against 0."""
-    import numpy as np
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    mean, sem = float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
-    half = float(stats.t.ppf(0.975, len(x) - 1) * sem)
-    p = float(stats.ttest_1samp(x, 0.0).pvalue) if sem > 0 else (0.0 if mean != 0 else 1.0)
-    return {"mean": mean, "ci95": [mean - half, mean + half], "p": p, "n": int(len(x))}
 
 
 def stream_text(model, tokenizer, play: str, length: int, block: int) -> list[float]:
