@@ -442,6 +442,25 @@ def test_the_memory_ablation_is_the_backbone_bit_for_bit_and_trains_everything_b
     assert any(not torch.equal(params[n], v) for n, v in lora.items())
 
 
+def test_the_ablation_is_blind_to_the_memorys_settings():
+    """The ablated model computes and trains the same whatever the memory's settings (bench.fednl's
+    retrieval tuning carried the ablation's runs over when FedNL's memory moved to fewer layers)."""
+    from clients.train import local_train
+
+    memory = ("algorithm.memory.key_centering=true", "algorithm.memory.qk_activation=identity",
+              "algorithm.memory.gate_init_logit=-2.0", "algorithm.lr.gate=0.1", "algorithm.memory.layers=[1]")
+    models, logits = [], []
+    for extra in ((), memory):
+        cfg = fednl_cfg("algorithm.ablate_memory=true", "algorithm.memory.window=8", "train.local_steps=2", *extra)
+        model, tok, _ = fednl.prepare(cfg)
+        local_train(model, make_task(cfg, 0, 2, tok), cfg.train, seed=0)
+        with torch.no_grad():
+            logits.append(model(torch.arange(1, 33)[None]).logits)
+        models.append({n: p for n, p in model.named_parameters() if "lora_" in n})
+    assert torch.equal(logits[0], logits[1])
+    assert models[0].keys() == models[1].keys() and all(torch.equal(models[0][n], models[1][n]) for n in models[0])
+
+
 def test_the_ablations_replies_pass_the_server_and_keep_the_memory_off():
     """A federated round of the ablation: the client's reply (θ without the fixed gates) is accepted
     by the server's checks (the gates' -100 logit was refused before, beyond ±30: every reply), and
