@@ -9,6 +9,9 @@ One rule for "met", and the checks a protocol file must pass before its evaluati
   its tuning and evaluation seeds overlap, when an arm's best value sits at the edge of its grid
   (the grid does not bracket it: extend it), when the arms' tuning budgets differ, or when it has
   no no-training arm (round 0 / θ_pre).
+* :func:`best_on_grid` — an arm's best value: the middle of the values whose validation score lies
+  within a stated tolerance of the best (0: exact ties), so an arm at its metric's ceiling at every
+  value (a plateau over the whole grid) gets an inner value rather than an edge.
 
     .venv/bin/python bench/protocol.py check PROTOCOL.json   # exit 0, or 2 with one line saying why
 
@@ -102,24 +105,44 @@ def check(protocol: Mapping) -> None:
         raise ProtocolError(f"the arms' tuning budgets differ: {budgets} grid points (give every arm the same)")
 
 
-def best_on_grid(scores: Mapping[float, Sequence[float]], *, higher_is_better: bool = True) -> float:
-    """The grid value whose mean validation score over the tuning seeds is best (``scores``: value ->
-    one score per tuning seed). Refuses a grid where a value lacks a seed the others have."""
+def tied_best(scores: Mapping[float, Sequence[float]], *, higher_is_better: bool = True,
+              tolerance: float = 0.0) -> list[float]:
+    """The grid values (ascending) whose mean validation score over the tuning seeds is within ``tolerance``
+    of the best mean (``scores``: value -> one score per tuning seed; ``tolerance`` 0: exact ties only).
+    Refuses a grid where a value lacks a seed the others have."""
     if not scores:
         raise ProtocolError("no tuning runs")
     counts = {value: len(s) for value, s in scores.items()}
     if len(set(counts.values())) > 1:
         raise ProtocolError(f"unequal tuning runs per grid value: {counts} (run every value on every tuning seed)")
+    if not tolerance >= 0:
+        raise ProtocolError(f"the tie tolerance must be >= 0, got {tolerance!r}")
     sign = 1.0 if higher_is_better else -1.0
-    return max(scores, key=lambda value: (sign * sum(scores[value]) / len(scores[value]), -value))
+    means = {value: sign * sum(s) / len(s) for value, s in scores.items()}
+    top = max(means.values())
+    return sorted(value for value, mean in means.items() if mean >= top - tolerance)
 
 
-def arm_entry(scores: Mapping[float, Sequence[float]], key: str, *, higher_is_better: bool = True) -> dict:
+def best_on_grid(scores: Mapping[float, Sequence[float]], *, higher_is_better: bool = True,
+                 tolerance: float = 0.0) -> float:
+    """The best grid value: the middle of :func:`tied_best`'s values (the lower middle of an even count),
+    so a plateau of ties that spans the grid picks an inner value, and one that touches an edge picks a
+    value :func:`check` refuses when it is that edge."""
+    tied = tied_best(scores, higher_is_better=higher_is_better, tolerance=tolerance)
+    return tied[(len(tied) - 1) // 2]
+
+
+def arm_entry(scores: Mapping[float, Sequence[float]], key: str, *, higher_is_better: bool = True,
+              tolerance: float = 0.0) -> dict:
     """One arm of a protocol file from its tuning runs (grid value -> a validation score per tuning seed):
-    its grid, its best value (:func:`best_on_grid`) and the mean validation score of every value."""
-    best = best_on_grid(scores, higher_is_better=higher_is_better)
-    return {"grid": {key: sorted(float(v) for v in scores)}, "best": {key: best},
-            "validation_score": {f"{v:g}": round(sum(s) / len(s), 4) for v, s in sorted(scores.items())}}
+    its grid, its best value (:func:`best_on_grid`), the values tied with it within ``tolerance`` and the
+    mean validation score of every value."""
+    tied = tied_best(scores, higher_is_better=higher_is_better, tolerance=tolerance)
+    entry = {"grid": {key: sorted(float(v) for v in scores)}, "best": {key: tied[(len(tied) - 1) // 2]},
+             "validation_score": {f"{v:g}": round(sum(s) / len(s), 4) for v, s in sorted(scores.items())}}
+    if tolerance:
+        entry["tied_within"] = {"tolerance": tolerance, key: tied}
+    return entry
 
 
 def committed(path: Path) -> str:

@@ -111,7 +111,7 @@ def train(call: ClientCall) -> Update:
             seed=call.seed,
             proximal_mu=mu, reference=received if mu > 0 else None,
         )
-    if cfg.algorithm.get("eval_local", False):  # the aggregation drop: this model vs the federated one
+    if call.scores_local:  # the aggregation drop: this model vs the federated one
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
     if latent is not None:
         return Update(metrics, latent.record(cfg, call.context, call.seed))

@@ -79,6 +79,9 @@ def validate(cfg: DictConfig) -> None:
                           "(no package ships ResNet-18-GN weights), or model.pretrained=false base=public to "
                           "pretrain it from a random init on the task's public split")
     _check_base(cfg)
+    if cfg.algorithm.get("eval_local", False) not in (True, False, "last"):
+        raise ConfigError(f"algorithm.eval_local must be true, false or last (the last round only), got "
+                          f"{cfg.algorithm.eval_local!r}")
     _check_eval_split(cfg.task)
     _check_text_task(cfg)
     _check_passkey_task(cfg)

@@ -97,7 +97,7 @@ def train(call: ClientCall) -> Update:
     ala_metrics = absorb_global(s, call.context, call.arrays, call.server_round)
     metrics = local_train(s.model, s.task, cfg.train, seed=call.seed)
     metrics.update(ala_metrics)
-    if cfg.algorithm.get("eval_local", False):
+    if call.scores_local:
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
     state = federated_state(s.model, s.extra["names"])
     _store(call.context, LOCAL, state)

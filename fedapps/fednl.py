@@ -212,7 +212,7 @@ def train(call: ClientCall) -> Update:
     with latent_training(call, s.model, s.extra["names"]) as latent:  # None unless channel=latent
         metrics = local_train(s.model, s.task, cfg.train, seed=call.seed, lr_by_name=learning_rates(cfg, LR_PATTERNS))
     metrics.update(gate_metrics(s.model))
-    if cfg.algorithm.get("eval_local", False):
+    if call.scores_local:
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
     keep_local(s, call.context)
     if latent is not None:

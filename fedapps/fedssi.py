@@ -41,7 +41,7 @@ def train(call: ClientCall) -> Update:
                         lam=float(call.config.get("ssi-lambda", ssi.lam)), xi=float(ssi.xi),
                         psm_steps=int(ssi.psm_steps), seed=call.seed)
     context.state[OMEGA] = codec.encode({k: v.cpu().numpy() for k, v in omega.items()}, "fp32")
-    if cfg.algorithm.get("eval_local", False):
+    if call.scores_local:
         metrics.update(local_metrics(s.model, s.task, cfg.eval))
     state = federated_state(s.model, names)
     return Update(metrics, codec.encode({k: v.numpy() for k, v in state.items()}, str(cfg.algorithm.payload)))

@@ -65,6 +65,13 @@ class ClientCall:
         return int(self.config.get("server-round", 0))
 
     @property
+    def scores_local(self) -> bool:
+        """``algorithm.eval_local``: score the freshly trained model before replying (the aggregation
+        drop) in every round (true), in the run's last round only (last), or never (false)."""
+        value = self.cfg.algorithm.get("eval_local", False)
+        return self.server_round == int(self.cfg.rounds) if value == "last" else bool(value)
+
+    @property
     def seed(self) -> int:
         """This node's seed for this round (batches, dropout, stochastic rounding)."""
         return round_seed(self.cfg, self.server_round, self.session.partition_id)

@@ -231,6 +231,7 @@ def test_fednl_passkey_preset_is_the_setting_the_gate_runs_chose():
     assert memory.gate_init_logit == pytest.approx(-2.0)
     assert cfg.algorithm.lr.gate == pytest.approx(0.1) and cfg.algorithm.lr.beta == pytest.approx(0.01)
     assert (cfg.rounds, cfg.train.local_steps, cfg.train.batch_size, list(cfg.task.train_lengths)) == (6, 10, 1, [512])
+    assert cfg.train.lr == pytest.approx(1e-3) and list(memory.layers) == [11, 12, 14, 17, 18, 21, 23, 26]
     ablation = compose("algorithm.ablate_memory=true", preset="fednl-passkey")
     assert ablation.algorithm.ablate_memory and ablation.algorithm.memory.window == 64
 

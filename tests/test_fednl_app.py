@@ -461,6 +461,23 @@ def test_the_ablation_is_blind_to_the_memorys_settings():
     assert models[0].keys() == models[1].keys() and all(torch.equal(models[0][n], models[1][n]) for n in models[0])
 
 
+def test_eval_local_last_scores_the_local_model_in_the_last_round_only():
+    """algorithm.eval_local=last: the aggregation drop's local score costs one evaluation a run, not one a
+    round (bench.fednl's retrieval comparison); any other value than true / false / last is refused."""
+    from flwr.app import ArrayRecord
+
+    from fedapps.method import ClientCall
+
+    cfg = fednl_cfg("rounds=3", "algorithm.eval_local=last")
+    rounds = [ClientCall(message(cfg, ArrayRecord(), "train", r, 11), context(11, 0), cfg, None).scores_local
+              for r in (1, 2, 3)]
+    assert rounds == [False, False, True]
+    every = fednl_cfg("rounds=3", "algorithm.eval_local=true")
+    assert ClientCall(message(every, ArrayRecord(), "train", 1, 11), context(11, 0), every, None).scores_local
+    with pytest.raises(ConfigError, match="eval_local must be true, false or last"):
+        fednl_cfg("algorithm.eval_local=sometimes")
+
+
 def test_the_ablations_replies_pass_the_server_and_keep_the_memory_off():
     """A federated round of the ablation: the client's reply (θ without the fixed gates) is accepted
     by the server's checks (the gates' -100 logit was refused before, beyond ±30: every reply), and

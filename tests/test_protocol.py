@@ -106,6 +106,26 @@ def test_the_best_grid_value_is_the_best_mean_over_tuning_seeds():
         protocol.best_on_grid({1e-3: [0.8, 0.8], 3e-3: [0.9]})
 
 
+def test_ties_within_a_stated_tolerance_take_the_middle_value_and_a_plateau_at_an_edge_is_still_refused():
+    """An arm at its metric's ceiling at every value (full attention on passkey: answer CE < 1e-6 nats at
+    every rate) gets an inner value, not whichever edge the smallest rounding error points at; a plateau
+    that only touches an edge still fails the check."""
+    ceiling = {1e-4: [6.7e-7], 3e-4: [6.3e-8], 1e-3: [8.1e-8], 3e-3: [4.5e-9]}
+    assert protocol.best_on_grid(ceiling, higher_is_better=False) == 3e-3  # no tolerance: the smallest CE, an edge
+    entry = protocol.arm_entry(ceiling, "train.lr", higher_is_better=False, tolerance=1e-3)
+    assert entry["best"] == {"train.lr": 3e-4} and entry["tied_within"]["train.lr"] == sorted(ceiling)
+    edge = {1e-4: [0.10], 3e-4: [0.1005], 1e-3: [0.5]}
+    spec = {"tuning_seeds": [100], "evaluation_seeds": [0], "margin": 0.0, "kind": "superiority",
+            "arms": {"a": protocol.arm_entry(edge, "train.lr", higher_is_better=False, tolerance=1e-3),
+                     "none": {"no_training": True}}}
+    assert spec["arms"]["a"]["best"] == {"train.lr": 1e-4}
+    with pytest.raises(ProtocolError, match="sits at the edge"):
+        protocol.check(spec)
+    assert protocol.best_on_grid({1.0: [0.5], 2.0: [0.5], 3.0: [0.4]}) == 1.0  # exact ties: the lower middle
+    with pytest.raises(ProtocolError, match="tolerance"):
+        protocol.best_on_grid(ceiling, tolerance=-1)
+
+
 def git(cwd, *args):
     import subprocess
 

@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
                    help="retrieval: an earlier run folder: its scored runs are taken, only the others train")
     p.add_argument("--retrieval-local-prompts", type=int, default=0,
                    help="retrieval: the aggregation drop: each client scores its freshly trained model on its "
-                        "first K held-out prompts every round (algorithm.eval_local), the final global model is "
+                        "first K held-out prompts in the last round (algorithm.eval_local=last), the final global model is "
                         "scored on the same prompts (0: off)")
 
 
@@ -91,7 +91,7 @@ def retrieval_cfg(args, out: Path, spec: str, seed: int, *, scoring: bool = Fals
     name, overrides = algorithm_overrides("fednl:meta-rules" if spec == ROUND0 else spec)
     local = 0 if scoring or spec == ROUND0 else getattr(args, "retrieval_local_prompts", 0)
     overrides = [o for o in overrides if o != "algorithm.eval_local=true"] + [
-        f"algorithm.eval_local={'true' if local else 'false'}", *([f"eval.max_batches={local}"] if local else [])]
+        f"algorithm.eval_local={'last' if local else 'false'}", *([f"eval.max_batches={local}"] if local else [])]
     if name == "fednl":
         overrides += [f"algorithm.memory.window={args.retrieval_window}", f"algorithm.memory.sink={args.passkey_sink}",
                       *args.fednl_overrides]

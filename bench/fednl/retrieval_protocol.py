@@ -128,7 +128,7 @@ def tune(args, extra: list[str]) -> int:
                   if all(str(seed) in by_seed for seed in args.tuning_seeds)}
         if not scores:
             continue
-        arms[arm] = protocol.arm_entry(scores, "train.lr", higher_is_better=False)
+        arms[arm] = protocol.arm_entry(scores, "train.lr", higher_is_better=False, tolerance=args.tie_tolerance)
         best = arms[arm]["best"]["train.lr"]
         cells = []
         for lr in sorted(scores):
@@ -136,7 +136,10 @@ def tune(args, extra: list[str]) -> int:
             text = (f"lr {lr:g} → {sum(scores[lr]) / len(scores[lr]):.3f} "
                     f"({sum(e[0] for e in exact)}/{sum(e[1] for e in exact)} exact)")
             cells.append(f"**{text}**" if lr == best else text)
-        lines.append(f"- {arm}: " + ", ".join(cells))
+        tied = arms[arm].get("tied_within", {}).get("train.lr", [])
+        lines.append(f"- {arm}: " + ", ".join(cells) + (
+            f" (tied within {args.tie_tolerance:g} nats: " + ", ".join(f"{v:g}" for v in tied) + "; the middle taken)"
+            if len(tied) > 1 else ""))
     arms["round-0"] = {"no_training": True, "spec": ROUND0}
     spec = {"tuning_seeds": args.tuning_seeds, "evaluation_seeds": args.evaluation_seeds, "split": "validation",
             "kind": "superiority", "margin": 100 * TARGET_GAIN, "metric": "exact match, pp (tuned on answer CE)",
@@ -257,6 +260,9 @@ def main(argv=None) -> int:
     t.add_argument("--evaluation-seeds", type=int, nargs="+", default=[0, 1, 2])
     t.add_argument("--lengths", default="512,1024", help="the evaluation's prompt lengths")
     t.add_argument("--prompts", type=int, default=200, help="the evaluation's held-out prompts per length")
+    t.add_argument("--tie-tolerance", type=float, default=1e-3,
+                   help="answer CE (nats) within which an arm's grid values tie; the middle tied value is taken "
+                        "(an arm at the ceiling at every rate gets an inner one)")
     t.add_argument("--local-prompts", type=int, default=20,
                    help="the evaluation's aggregation drop: held-out prompts each client scores its local model on")
     t.add_argument("--out", required=True, help="tuning.json, tuning.md and the drafted protocol")
