@@ -112,3 +112,22 @@ def step_profile(steps: dict, top: int = 14) -> dict:
     return {"models": [first, second],
             "total_ms": {k: sum(ms for ms, _ in ops.values()) for k, ops in per_op.items()},
             "ops": [{"op": op, **{k: per_op[k].get(op, (0.0, 0)) for k in (first, second)}} for op in extra[:top]]}
+
+
+TARGET_RATIO = 0.9  # issue #44 item 6: FedNL trains at >= 0.9x plain LoRA q/k/v's tokens/s
+
+
+def round_ratio(tp: dict, key: str, which: str = "wall") -> dict:
+    """``key``'s speed relative to plain LoRA q/k/v, round by round (LoRA's step time / this model's, from
+    the result's ``step_seconds``): mean, 95% t interval, and the verdict against :data:`TARGET_RATIO` by
+    ``bench.protocol.verdict`` (the interval's lower bound must reach it)."""
+    from bench import protocol
+
+    from .stats import t_interval
+
+    at = 0 if which == "wall" else 1
+    ratios = [lo[at] / mine[at] for lo, mine in zip(tp["step_seconds"]["lora-qkv"], tp["step_seconds"][key])]
+    stats = t_interval(ratios) if len(ratios) > 1 else {"mean": ratios[0], "ci95": None}
+    interval = None if stats["ci95"] is None else [v - 1 for v in stats["ci95"]]
+    return {"mean": stats["mean"], "ci95": stats["ci95"], "rounds": len(ratios),
+            "verdict": protocol.verdict(stats["mean"] - 1, interval, TARGET_RATIO - 1, kind="non-inferiority")}
