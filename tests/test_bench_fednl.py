@@ -543,4 +543,5 @@ def test_the_throughput_target_is_judged_by_the_rounds_interval_not_the_point_es
     slow = round_ratio(tp([1 / 0.80, 1 / 0.82, 1 / 0.81]), "fednl", "cpu")
     assert slow["verdict"] == "not met" and slow["rounds"] == 3
     assert "wall 0.95x (0.93..0.97): met; cpu 0.95x" in ratio_sentence(tp([1 / 0.95, 1 / 0.96, 1 / 0.94]), "fednl")
-    assert "no per-round times recorded" in ratio_sentence({}, "fednl")
+    assert "no per-round times recorded, the mean alone: not met" in ratio_sentence({"ratio": 0.8}, "fednl")
+    assert "the mean alone: not shown" in ratio_sentence({"ratio": 0.95}, "fednl")  # a mean alone is never met
