@@ -138,7 +138,8 @@ def arm_entry(scores: Mapping[float, Sequence[float]], key: str, *, higher_is_be
     its grid, its best value (:func:`best_on_grid`), the values tied with it within ``tolerance`` and the
     mean validation score of every value."""
     tied = tied_best(scores, higher_is_better=higher_is_better, tolerance=tolerance)
-    entry = {"grid": {key: sorted(float(v) for v in scores)}, "best": {key: tied[(len(tied) - 1) // 2]},
+    best = best_on_grid(scores, higher_is_better=higher_is_better, tolerance=tolerance)
+    entry = {"grid": {key: sorted(float(v) for v in scores)}, "best": {key: best},
              "validation_score": {f"{v:g}": round(sum(s) / len(s), 4) for v, s in sorted(scores.items())}}
     if tolerance:
         entry["tied_within"] = {"tolerance": tolerance, key: tied}

@@ -123,11 +123,12 @@ def gate_by_round(run_dir) -> tuple[list[list[float]], list[int] | None]:
     return [list(r["gate_alpha"]) for r in rows], (list(layers[-1]) if layers else None)
 
 
-def aggregation_drop(args, out: Path, spec: str, seed: int, summary: dict) -> dict | None:
+def aggregation_drop(args, out: Path, spec: str, seed: int, summary: dict, trained=None) -> dict | None:
     """Each client's freshly trained model of the last round (its ``local-accuracy`` / ``local-loss`` on its
     first ``--retrieval-local-prompts`` held-out prompts, recorded before aggregation) against the final
     global model scored on the same prompts (the client's task, the same evaluation settings); kept as
-    ``aggregation_drop.json`` in the run's folder. None for the untrained arm."""
+    ``aggregation_drop.json`` in the run's folder. None for the untrained arm. ``trained``: the final model
+    and tokenizer, when the caller has them loaded."""
     from clients.tasks import make_task
     from clients.train import evaluate
     from fedapps.outputs import read_metrics
@@ -141,7 +142,7 @@ def aggregation_drop(args, out: Path, spec: str, seed: int, summary: dict) -> di
     if not rows:
         raise RuntimeError(f"{summary['run_dir']}: no client scored its local model (algorithm.eval_local)")
     cfg = retrieval_cfg(args, out, spec, seed)
-    model, tokenizer = load_trained(cfg, summary)
+    model, tokenizer = trained or load_trained(cfg, summary)
     clients = {}
     for row in sorted(rows, key=lambda c: int(c["train_partition-id"])):
         pid = int(row["train_partition-id"])
@@ -155,7 +156,7 @@ def aggregation_drop(args, out: Path, spec: str, seed: int, summary: dict) -> di
     return drop
 
 
-def score(args, out: Path, spec: str, seed: int, summary: dict) -> dict:
+def score(args, out: Path, spec: str, seed: int, summary: dict, trained) -> dict:
     """Every held-out prompt of the seed through the run's final global model, kept as
     ``retrieval_items.npz`` in its folder: ``correct``, ``loss``, ``index``, ``length``, ``client``."""
     import numpy as np
@@ -163,7 +164,7 @@ def score(args, out: Path, spec: str, seed: int, summary: dict) -> dict:
     from clients.tasks import make_task
 
     cfg = retrieval_cfg(args, out, spec, seed, scoring=True)
-    model, tokenizer = load_trained(retrieval_cfg(args, out, spec, seed), summary)
+    model, tokenizer = trained  # (the run's final model, load_trained)
     task = make_task(cfg, 0, 1, tokenizer)
     items = task.items(model, 1, 0)
     items["length"] = np.asarray([task.length_of(int(i)) for i in items["index"]], dtype=np.int64)
@@ -187,7 +188,7 @@ def section_retrieval(args, out: Path) -> dict:
     items: dict[str, dict[str, dict]] = {}
     for seed in args.retrieval_seeds:
         for spec in args.retrieval_algorithms:
-            key = spec_key(spec)
+            key, trained = spec_key(spec), None  # trained: the final model and tokenizer, once loaded
             earlier = args.retrieval_resume / f"retrieval_{key}_s{seed}" if args.retrieval_resume else None
             if earlier is not None and (earlier / "retrieval_items.npz").is_file():
                 summary = {**json.loads((earlier / "summary.json").read_text()), "run_dir": str(earlier.resolve())}
@@ -210,11 +211,12 @@ def section_retrieval(args, out: Path) -> dict:
                         f"lr {cfg.train.lr:g})")
                     summary = run(cfg)
                 start = time.time()
-                scored = score(args, out, spec, seed, summary)
+                trained = load_trained(cfg, summary)
+                scored = score(args, out, spec, seed, summary, trained)
                 log(f"retrieval {key}, seed {seed}: {int(np.sum(scored['correct'] > 0.5))}/{len(scored['correct'])} "
                     f"exact ({time.time() - start:.0f} s scoring)")
             items.setdefault(str(seed), {})[key] = scored
-            drop = aggregation_drop(args, out, spec, seed, summary) if args.retrieval_local_prompts else None
+            drop = aggregation_drop(args, out, spec, seed, summary, trained) if args.retrieval_local_prompts else None
             trained_fednl = spec.startswith("fednl") and spec != ROUND0
             alphas, layers = gate_by_round(summary["run_dir"]) if trained_fednl else (None, None)
             result["runs"].setdefault(str(seed), {})[key] = {

@@ -160,7 +160,8 @@ def pooled_difference(items: dict, length: int, ref: str) -> tuple[float, tuple[
     """FedNL − ``ref`` exact match at ``length``, every evaluation seed's prompts pooled, paired prompt by
     prompt (the same prompts, ordered by index): the mean, its 95% t interval, the number of pairs."""
     import numpy as np
-    from scipy.stats import t
+
+    from .stats import t_interval
 
     diffs = []
     for runs in items.values():
@@ -175,9 +176,10 @@ def pooled_difference(items: dict, length: int, ref: str) -> tuple[float, tuple[
             raise ValueError(f"FedNL and {ref} scored different prompts at {length} tokens")
         diffs.append(pair[0][1] - pair[1][1])
     d = np.concatenate(diffs)
-    n = len(d)
-    half = float(t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("inf")
-    return float(d.mean()), (float(d.mean()) - half, float(d.mean()) + half), n
+    if len(d) < 2:
+        return float(d.mean()), (-math.inf, math.inf), len(d)
+    stats = t_interval(d)
+    return stats["mean"], tuple(stats["ci95"]), stats["n"]
 
 
 def evaluate(args) -> int:

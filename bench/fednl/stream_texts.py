@@ -56,10 +56,9 @@ def stream_text(model, tokenizer, play: str, length: int, block: int) -> list[fl
     import torch
 
     from clients.fednl import FedNLStreamer, streamed_nll
-    from clients.tasks.text import play_tokens
+    from clients.tasks.text import play_tokens, tokenizer_key
 
-    key = getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))
-    tokens = play_tokens(play, key, tokenizer)
+    tokens = play_tokens(play, tokenizer_key(tokenizer), tokenizer)
     if len(tokens) < length + 1:
         raise SystemExit(f"play {play!r} has {len(tokens)} tokens, fewer than --length {length} + 1")
     ids = torch.as_tensor(tokens[: length + 1], dtype=torch.long)[None]

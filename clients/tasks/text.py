@@ -63,6 +63,11 @@ def clean_play(markdown: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
+def tokenizer_key(tokenizer) -> str:
+    """The ``tokenizer_key`` :func:`play_tokens` caches a tokenizer's plays under in the process."""
+    return getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))
+
+
 @functools.lru_cache(maxsize=64)
 def play_tokens(play: str, tokenizer_key: str, tokenizer) -> np.ndarray:
     """A play's token ids. Cached in the process and on disk (``tokens/`` in the asset cache,
@@ -106,7 +111,7 @@ class ShakespeareTask(Task):
     def __init__(self, cfg, partition_id: int, num_partitions: int, tokenizer) -> None:
         task = cfg.task
         window = int(cfg.train.seq_len) + 1
-        key = getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))
+        key = tokenizer_key(tokenizer)
         rng = np.random.default_rng(int(cfg.seed))
         prefix, suffix = special_affixes(tokenizer)  # e.g. a BOS starts every window: its first label is text
         body = window - len(prefix)
