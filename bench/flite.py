@@ -390,14 +390,26 @@ def gap_interval(method_runs: list[dict], ref_runs: list[dict] | None) -> tuple[
 
 
 # ---------------------------------------------------------------------------- report
-def verdict(gap: float, interval: tuple[float, float, float] | None, margin: float = -1.0) -> str:
+def verdict(gap: float, interval: tuple[float, float, float] | None, margin: float = -1.0,
+            no_training: float | None = None) -> str:
     """Non-inferiority at ``margin`` pp by the protocol's one rule (``bench/protocol.py``): met only
-    when the whole 95% interval lies above it; ``interval`` is (mean, low, high)."""
-    result = protocol.verdict(gap, None if interval is None else interval[1:], margin, kind="non-inferiority")
+    when the whole 95% interval lies above it; ``interval`` is (mean, low, high). ``no_training``:
+    θ_pre's gap to the same reference on the same seeds — a "met" that θ_pre reaches too is
+    uninformative."""
+    result = protocol.verdict(gap, None if interval is None else interval[1:], margin, kind="non-inferiority",
+                              no_training=no_training)
     if result == "not shown":
         return ("not shown: the point estimate is within the margin, the interval reaches "
                 f"{interval[1]:+.1f} pp" if interval is not None else "not shown: one seed, the point estimate is within")
+    if result == "uninformative":
+        return (f"uninformative: θ_pre, not trained at all, is {no_training:+.1f} pp from the reference, "
+                "within the margin too")
     return result
+
+
+def theta_pre_gap(ref_runs: list[dict]) -> float:
+    """θ_pre's gap (pp) to the reference, seed by seed: the reference run's round 0 − its final accuracy."""
+    return mean_std([100 * (r["initial_accuracy"] - r["final_accuracy"]) for r in ref_runs])[0]
 
 
 def fmt_bytes(value: float) -> str:
@@ -414,7 +426,7 @@ def report(results: dict, command: str, machine: str) -> str:
     lines = [
         f"# FLITE vs full-weight and compressed-update baselines ({task}, MobileNetV2, {BASES[base]})",
         "",
-        f"Made by `{command}` on {machine}, {time.strftime('%Y-%m-%d')}.",
+        f"Made by `{command}` on {machine}, {results.get('date') or time.strftime('%Y-%m-%d')}.",
         f"{s['clients']} clients, {s['rounds']} rounds × {s['steps']} local steps of {s['batch_size']} images; " +
         (f"every arm over the protocol's evaluation seeds {results['protocol']['evaluation_seeds']}"
          if results.get("protocol") else f"{', '.join(REPEATED)} over the seeds counted in the table, the others "
@@ -470,7 +482,7 @@ def report(results: dict, command: str, machine: str) -> str:
             theta, theta_std = mean_std([r["initial_accuracy"] for r in ref])
             lines.append(f"| θ_pre (no training: round 0) | – | {len(ref)} | **{theta:.3f}**"
                          f"{f' ± {theta_std:.3f}' if len(ref) > 1 else ''} | +0.0 | 0 | – | – | – | "
-                         f"{100 * (theta - mean_std([r['final_accuracy'] for r in ref])[0]):+.1f} | – |")
+                         f"{theta_pre_gap(ref):+.1f} | – |")
         lines.append("")
         label_gains = []
         for method in s["methods"]:
@@ -492,7 +504,7 @@ def report(results: dict, command: str, machine: str) -> str:
             ci = (f" (paired over {paired} seeds: 95% interval {interval[1]:+.1f} to "
                   f"{interval[2]:+.1f} pp)") if interval else " (one seed: no interval)"
             verdicts.append(f"- {label}: {method} is {gap:+.1f} pp from {REFERENCE}{ci} (target ≥ {margin:+g} pp: "
-                            f"**{verdict(gap, interval, margin)}**) at {ratio:,.0f}× fewer uplink bytes "
+                            f"**{verdict(gap, interval, margin, theta_pre_gap(ref))}**) at {ratio:,.0f}× fewer uplink bytes "
                             f"(target ≥ 10,000×: **{'met' if ratio >= 10_000 else 'not met'}**).")
     if verdicts:
         lines += ["## Targets", "", *verdicts, ""]
@@ -599,7 +611,6 @@ def main(argv=None) -> int:
     if args.merge:
         results = merge(args.merge)
         results["command"] = f"{command} (merging: {results['command']})"
-        (args.out / "flite.json").write_text(json.dumps(results, indent=2) + "\n")
     elif args.render:
         results = json.loads((args.out / "flite.json").read_text())
         command = results.get("command", command)
@@ -607,6 +618,8 @@ def main(argv=None) -> int:
         results = run_all(args)
         results["commands"] = [*results.get("commands", []), command]  # an evaluation resumed: every part's call
         results["command"] = "; ".join(results["commands"])
+    if not args.render:  # the day the runs were made or merged: a later --render keeps it
+        results["date"] = time.strftime("%Y-%m-%d")
         (args.out / "flite.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "flite.png")
     text = report(results, results["command"], machine())

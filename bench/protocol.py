@@ -5,6 +5,9 @@ One rule for "met", and the checks a protocol file must pass before its evaluati
 * :func:`verdict` — superiority or non-inferiority judged by the 95% interval's bound against a
   margin stated in advance: ``met`` only when the whole interval clears the margin, ``not met``
   when the point estimate does not, ``not shown`` in between (the same function for every method).
+  Given the no-training arm's difference to the same baseline, a ``met`` that not training would
+  reach as well (its point estimate clears the same bound) is ``uninformative``: the comparison
+  cannot tell the method from not training at all.
 * :func:`check` — a protocol (a JSON file committed before the evaluation runs) is refused when
   its tuning and evaluation seeds overlap, when an arm's best value sits at the edge of its grid
   (the grid does not bracket it: extend it), when the arms' tuning budgets differ, or when it has
@@ -43,17 +46,24 @@ class ProtocolError(ValueError):
 
 
 def verdict(estimate: float, interval: Sequence[float] | None, margin: float, *, kind: str = "non-inferiority",
-            higher_is_better: bool = True) -> str:
+            higher_is_better: bool = True, no_training: float | None = None) -> str:
     """``met`` / ``not shown`` / ``not met`` for a difference (method − baseline) with its 95%
     interval ``(low, high)``. Non-inferiority: the difference must be shown above ``margin`` (a
     negative number for "at most this much worse"); superiority: above ``max(margin, 0)``.
     ``higher_is_better=False`` (perplexity, loss): the difference and its interval are read with
     the sign flipped. Met only when the interval's bound clears the margin; one estimate alone
-    (``interval`` None) is never met."""
+    (``interval`` None) is never met.
+
+    ``no_training``: the no-training arm's difference to the same baseline (θ_pre or round 0 −
+    baseline, on the same items). When its point estimate clears the bound too, a ``met`` is
+    ``uninformative`` — not training would pass the same test, so passing it says nothing about
+    the method (a reference that barely improves on its starting point leaves no room to fail)."""
     if kind not in KINDS:
         raise ProtocolError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     if not math.isfinite(float(estimate)):
         raise ProtocolError(f"the estimate must be a finite number, got {estimate!r}")
+    if no_training is not None and not math.isfinite(float(no_training)):
+        raise ProtocolError(f"the no-training arm's difference must be a finite number, got {no_training!r}")
     sign = 1.0 if higher_is_better else -1.0
     bound = float(margin) if kind == "non-inferiority" else max(float(margin), 0.0)
 
@@ -61,7 +71,7 @@ def verdict(estimate: float, interval: Sequence[float] | None, margin: float, *,
         return value >= bound if kind == "non-inferiority" else value > bound
 
     if interval is not None and clears(min(sign * float(v) for v in interval[:2])):
-        return "met"
+        return "uninformative" if no_training is not None and clears(sign * float(no_training)) else "met"
     return "not shown" if clears(sign * float(estimate)) else "not met"
 
 

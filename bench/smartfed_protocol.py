@@ -208,9 +208,13 @@ def report(results: dict) -> str:
             continue
         diffs = [ours[s]["final_metric"] - seeds[s]["final_metric"] for s in paired]
         mean, interval = t_interval(diffs)
-        verdict = protocol.verdict(mean, interval, float(spec["margin"]), kind=spec["kind"], higher_is_better=False)
+        # the no-training arm: SmartFed's round 0 (the pool's mixture, never trained on the target) − the baseline
+        untrained = statistics.fmean(ours[s]["initial_metric"] - seeds[s]["final_metric"] for s in paired)
+        verdict = protocol.verdict(mean, interval, float(spec["margin"]), kind=spec["kind"], higher_is_better=False,
+                                   no_training=untrained)
         span = f"95% interval {interval[0]:+.2f} to {interval[1]:+.2f}" if interval else "one seed: no interval"
-        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {len(paired)} seeds ({span}): **{verdict}**")
+        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {len(paired)} seeds ({span}; SmartFed's round 0 "
+                     f"{untrained:+.2f}): **{verdict}**")
     return "\n".join(lines) + "\n"
 
 

@@ -459,6 +459,7 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
     verdict = json.loads((tmp_path / "eval" / "retrieval.json").read_text())["verdicts"]["256"]
     assert verdict["fednl_minus_ablation_pp"] == pytest.approx(50.0) and verdict["pairs"] == 20
     assert verdict["gain"] == "met" and verdict["share_recovered"] == pytest.approx(0.5) and verdict["share_met"]
+    assert verdict["round0_minus_ablation_pp"] == 0.0  # the no-training arm finds nothing: the "met" is informative
     assert "committed at" in (tmp_path / "eval" / "retrieval.md").read_text()
 
 

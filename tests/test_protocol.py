@@ -29,12 +29,36 @@ def test_one_rule_for_met(estimate, interval, margin, kind, higher, expected):
     assert verdict(estimate, interval, margin, kind=kind, higher_is_better=higher) == expected
 
 
+@pytest.mark.parametrize("estimate, interval, margin, kind, higher, untrained, expected", [
+    # FLITE on CIFAR-10 under Dirichlet 0.1: +2.3 pp (−0.9..+5.5) over full FedAvg, but θ_pre alone is +2.7
+    (+2.3, (-0.9, +5.5), -1.0, "non-inferiority", True, +2.7, "uninformative"),
+    (+2.3, (-0.9, +5.5), -1.0, "non-inferiority", True, -1.0, "uninformative"),  # at the margin counts for both
+    (-0.3, (-0.6, -0.1), -1.0, "non-inferiority", True, -1.7, "met"),  # Fashion-MNIST Dirichlet: θ_pre fails
+    (+0.5, (-1.5, +2.5), -1.0, "non-inferiority", True, +3.0, "not shown"),  # only a "met" can be uninformative
+    (-3.5, (-3.9, -3.1), -1.0, "non-inferiority", True, +3.0, "not met"),
+    (+50.0, (+45.0, +55.0), 20.0, "superiority", True, 0.0, "met"),  # passkey: FedNL untrained finds nothing
+    (+50.0, (+45.0, +55.0), 20.0, "superiority", True, 25.0, "uninformative"),
+    (-0.3, (-0.5, -0.1), 0.0, "superiority", False, -0.2, "uninformative"),  # perplexity: round 0 lower too
+    (-0.3, (-0.5, -0.1), 0.0, "superiority", False, +5.0, "met"),
+])
+def test_a_met_that_not_training_reaches_too_is_uninformative(estimate, interval, margin, kind, higher, untrained,
+                                                              expected):
+    assert verdict(estimate, interval, margin, kind=kind, higher_is_better=higher, no_training=untrained) == expected
+
+
+def test_a_non_finite_no_training_difference_is_refused():
+    with pytest.raises(ProtocolError, match="no-training"):
+        verdict(+0.5, (-0.8, +1.8), -1.0, no_training=float("nan"))
+
+
 def test_flite_and_smartfed_reports_use_the_same_rule():
     import flite
 
     assert flite.verdict(-0.4, (-0.4, -0.9, +0.1)) == "met"
     assert flite.verdict(-3.5, (-3.5, -3.9, -3.1)) == "not met"
     assert flite.verdict(+0.5, (+0.5, -1.5, +2.5)).startswith("not shown")
+    assert flite.verdict(+2.3, (+2.3, -0.9, +5.5), -1.0, no_training=+2.7).startswith("uninformative: θ_pre")
+    assert flite.verdict(-0.3, (-0.3, -0.6, -0.1), -1.0, no_training=-1.7) == "met"
     source = (Path(flite.__file__).parent / "smartfed.py").read_text()
     assert "protocol.verdict(" in source
 
@@ -294,6 +318,13 @@ def test_smartfed_tuning_drafts_a_checked_protocol_and_the_report_judges_by_the_
     assert "committed at f00df00df00d" in text and "| fedavg-lora | train.lr=0.003 | 3 | 60.00 |" in text
     assert "vs fedavg-lora: -0.93 perplexity over 3 seeds" in text and "**met**" in text  # lower is better
     assert "vs fedavg-lora-int4: +1.07" in text and "**not met**" in text
+    for run in evaluation:  # the pool's mixture alone (round 0) already below fedavg-lora: a "met" says nothing
+        if run["arm"] == "smartfed-tuned":
+            run["initial_metric"] = 30.5
+    text = sp.report({"command": "c", "date": "today", "runs": evaluation,
+                      "protocol": {**spec, "file": "p.json", "commit": "f00d" * 10}})
+    assert "vs fedavg-lora: -0.93 perplexity over 3 seeds (95% interval" in text
+    assert "SmartFed's round 0 -4.80): **uninformative**" in text
 
 
 def test_smartfed_protocol_refuses_unequal_budgets_and_an_uncommitted_protocol(tmp_path, capsys):

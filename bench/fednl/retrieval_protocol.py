@@ -156,24 +156,25 @@ def tune(args, extra: list[str]) -> int:
     return 0
 
 
-def pooled_difference(items: dict, length: int, ref: str) -> tuple[float, tuple[float, float], int]:
-    """FedNL − ``ref`` exact match at ``length``, every evaluation seed's prompts pooled, paired prompt by
-    prompt (the same prompts, ordered by index): the mean, its 95% t interval, the number of pairs."""
+def pooled_difference(items: dict, length: int, ref: str, method: str = "fednl"
+                      ) -> tuple[float, tuple[float, float], int]:
+    """``method`` − ``ref`` exact match at ``length``, every evaluation seed's prompts pooled, paired prompt
+    by prompt (the same prompts, ordered by index): the mean, its 95% t interval, the number of pairs."""
     import numpy as np
 
     from .stats import t_interval
 
     diffs = []
     for runs in items.values():
-        if "fednl" not in runs or ref not in runs:
+        if method not in runs or ref not in runs:
             continue
         pair = []
-        for name in ("fednl", ref):
+        for name in (method, ref):
             keep = runs[name]["length"] == length
             order = np.argsort(runs[name]["index"][keep])
             pair.append((runs[name]["index"][keep][order], (runs[name]["correct"][keep][order] > 0.5).astype(float)))
         if not np.array_equal(pair[0][0], pair[1][0]):
-            raise ValueError(f"FedNL and {ref} scored different prompts at {length} tokens")
+            raise ValueError(f"{method} and {ref} scored different prompts at {length} tokens")
         diffs.append(pair[0][1] - pair[1][1])
     d = np.concatenate(diffs)
     if len(d) < 2:
@@ -213,13 +214,16 @@ def evaluate(args) -> int:
     verdicts = {}
     for length in parsed.passkey_lengths:
         diff, interval, n = pooled_difference(items, length, "fednl-ablate")
+        untrained = pooled_difference(items, length, "fednl-ablate", method="fednl-round0")[0]  # no-training arm
         pooled = result["paired"].get(str(length), {})
         p_value = pooled.get("fednl-ablate", {}).get("p_value", 1.0)
         share = (pooled.get("recovered") or {}).get("share")
         verdicts[str(length)] = {
             "fednl_minus_ablation_pp": 100 * diff, "ci95_pp": [100 * v for v in interval], "pairs": n,
             "p_value": p_value,
-            "gain": protocol.verdict(100 * diff, [100 * v for v in interval], spec["margin"], kind=spec["kind"]),
+            "round0_minus_ablation_pp": 100 * untrained,
+            "gain": protocol.verdict(100 * diff, [100 * v for v in interval], spec["margin"], kind=spec["kind"],
+                                     no_training=100 * untrained),
             "p_below_target": p_value < spec["targets"]["p_below"], "share_recovered": share,
             "share_met": share is not None and share >= spec["targets"]["share_of_gap_recovered"]}
     result["protocol"] = {"file": str(args.protocol), "commit": commit, "lrs": parsed.retrieval_lrs,
@@ -236,7 +240,8 @@ def evaluate(args) -> int:
              retrieval_lines(result), "## Verdicts (one rule: the 95% interval's bound against the margin)", ""]
     for length, v in verdicts.items():
         lines.append(f"- {length} tokens: FedNL − ablation {v['fednl_minus_ablation_pp']:+.1f} pp "
-                     f"({v['ci95_pp'][0]:+.1f} to {v['ci95_pp'][1]:+.1f}, {v['pairs']} pairs), margin "
+                     f"({v['ci95_pp'][0]:+.1f} to {v['ci95_pp'][1]:+.1f}, {v['pairs']} pairs; FedNL untrained − "
+                     f"ablation {v['round0_minus_ablation_pp']:+.1f}), margin "
                      f"+{spec['margin']:g} pp: **{v['gain']}**; p {v['p_value']:.2g} (target < "
                      f"{spec['targets']['p_below']}: {'met' if v['p_below_target'] else 'not met'}); gap recovered "
                      + ("–" if v["share_recovered"] is None else f"{v['share_recovered']:.0%}")
