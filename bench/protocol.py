@@ -100,19 +100,24 @@ def check(protocol: Mapping) -> None:
     for name, arm in arms.items():
         if arm.get("no_training"):
             continue
-        grid, best = arm.get("grid") or {}, arm.get("best") or {}
-        for key, values in grid.items():
-            values = sorted(float(v) for v in values)
-            if key not in best:
-                raise ProtocolError(f"arm '{name}': no best value of {key}")
-            if float(best[key]) not in values:
-                raise ProtocolError(f"arm '{name}': its best {key} = {best[key]} is not on its grid {values}")
-            if len(values) < 3 or float(best[key]) in (values[0], values[-1]):
-                raise ProtocolError(f"arm '{name}': its best {key} = {best[key]} sits at the edge of {values}: "
-                                    "extend the grid until the best value is inside it")
-        budgets[name] = _budget(grid)
+        check_arm(name, arm)
+        budgets[name] = _budget(arm.get("grid") or {})
     if len(set(budgets.values())) > 1:
         raise ProtocolError(f"the arms' tuning budgets differ: {budgets} grid points (give every arm the same)")
+
+
+def check_arm(name: str, arm: Mapping) -> None:
+    """Refuse (ProtocolError) an arm whose best value is missing, off its grid or at the grid's edge."""
+    grid, best = arm.get("grid") or {}, arm.get("best") or {}
+    for key, values in grid.items():
+        values = sorted(float(v) for v in values)
+        if key not in best:
+            raise ProtocolError(f"arm '{name}': no best value of {key}")
+        if float(best[key]) not in values:
+            raise ProtocolError(f"arm '{name}': its best {key} = {best[key]} is not on its grid {values}")
+        if len(values) < 3 or float(best[key]) in (values[0], values[-1]):
+            raise ProtocolError(f"arm '{name}': its best {key} = {best[key]} sits at the edge of {values}: "
+                                "extend the grid until the best value is inside it")
 
 
 def tied_best(scores: Mapping[float, Sequence[float]], *, higher_is_better: bool = True,

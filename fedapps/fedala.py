@@ -84,8 +84,9 @@ def absorb_global(s, context: Context, arrays: ArrayRecord, server_round: int) -
     _store(context, LOCAL, result.state)
     _store(context, WEIGHTS, result.weights)
     context.state[STATUS] = ConfigRecord({"global": fp, "start-phase": 0})
-    mean_weight = float(torch.cat([w.flatten() for w in result.weights.values()]).mean())
-    return {"ala-passes": len(result.losses), "ala-loss": result.losses[-1], "ala-weight-mean": mean_weight,
+    flat = torch.cat([w.flatten() for w in result.weights.values()])
+    return {"ala-passes": len(result.losses), "ala-loss": result.losses[-1], "ala-weight-mean": float(flat.mean()),
+            "ala-weight-min": float(flat.min()), "ala-weight-max": float(flat.max()),
             "ala-converged": int(result.converged)}
 
 

@@ -111,6 +111,10 @@ def test_fedala_client_keeps_its_adapter_and_runs_ala_once_per_global(lora_setup
     out = answer(message(cfg, second, "evaluate", 1), node)
     assert out.content["metrics"]["ala-passes"] == 2  # the start phase, capped
     assert fedala.WEIGHTS in node.state.array_records
+    weights = np.concatenate([w.ravel() for w in codec.decode(node.state.array_records[fedala.WEIGHTS]).values()])
+    got = out.content["metrics"]  # how far the weights moved, as bench/fedala_eta.py reports it
+    assert (got["ala-weight-min"], got["ala-weight-max"]) == (float(weights.min()), float(weights.max()))
+    assert got["ala-weight-min"] <= got["ala-weight-mean"] <= got["ala-weight-max"] <= 1.0
     out = answer(message(cfg, second, "train", 2), node)
     assert "ala-passes" not in out.content["metrics"]  # already absorbed at the evaluation
     third = codec.encode({k: v + 0.02 for k, v in trained.items()})

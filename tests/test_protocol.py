@@ -340,3 +340,46 @@ def test_smartfed_protocol_refuses_unequal_budgets_and_an_uncommitted_protocol(t
     with pytest.raises(SystemExit) as exit_:
         sp.parse_args(["--protocol", str(tmp_path / "p.json")])
     assert exit_.value.code == 2 and "commit the protocol before the evaluation runs" in capsys.readouterr().err
+
+
+def test_fedala_eta_picks_eta_on_validation_reports_the_weights_range_and_refuses_an_edge(tmp_path, monkeypatch):
+    """bench/fedala_eta.py with the simulation replaced by made-up runs (metrics.jsonl as FedALA writes it):
+    every η runs on the validation split, the weights' range is read from the clients' metrics, the best η
+    is refused at the grid's edge, and a second call to the same --out runs only the values it lacks."""
+    import fedala_eta
+
+    final = {1.0: 40.0, 10.0: 38.0, 100.0: 37.0, 1000.0: 39.0}
+    calls = []
+
+    def fake_run_one(algorithm, overrides, reuse=False):
+        items = dict(o.split("=", 1) for o in overrides)
+        eta = float(items["algorithm.ala.eta"])
+        calls.append((algorithm, eta, items["task.eval_split"]))
+        run_dir = tmp_path / "runs" / f"eta{eta:g}"
+        run_dir.mkdir(parents=True)
+        moved = min(1.0, 0.001 * eta)
+        records = [{"round": 0, "clients": [{"eval_ala-passes": 0}]}] + [
+            {"round": r, "clients": [{"eval_ala-weight-mean": 1 - moved / 2, "eval_ala-weight-min": 1 - moved,
+                                      "eval_ala-weight-max": 1.0}, {"eval_ala-weight-mean": 1 - moved / 4}]}
+            for r in (1, 2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return {"status": "completed", "metric": "perplexity", "initial_metric": 45.0, "final_metric": final[eta],
+                "run_dir": str(run_dir)}
+
+    monkeypatch.setattr(fedala_eta, "run_one", fake_run_one)
+    out = tmp_path / "out"
+    assert fedala_eta.main(["--eta-grid", "1,10,100", "--out", str(out)]) == 2  # best 100: the grid's edge
+    assert all(a == "fedala" and split == "val" for a, _, split in calls) and len(calls) == 3
+    assert "sits at the edge" in (out / "tuning.md").read_text()
+    calls.clear()
+    assert fedala_eta.main(["--eta-grid", "1,10,100,1000", "--out", str(out)]) == 0
+    assert [eta for _, eta, _ in calls] == [1000.0]  # the three finished values are kept
+    saved = json.loads((out / "tuning.json").read_text())
+    assert saved["best"]["best"] == {"algorithm.ala.eta": 100.0} and saved["refused"] is None
+    by_eta = {r["eta"]: r for r in saved["runs"]}
+    assert by_eta[100.0]["weights"][-1] == {"round": 2, "min": 0.9, "mean": pytest.approx(0.9625), "max": 1.0}
+    text = (out / "tuning.md").read_text()
+    assert "| **100** | 45.00 → **37.00** | -8.00 | 0.9000 / 0.9625 / 1.0000 | 0.9000 to 1.0000 |" in text
+    assert "Best η: **100**" in text
+    with pytest.raises(SystemExit):
+        fedala_eta.main(["--eta-grid", "1,10", "--out", str(out)])  # two values cannot bracket a best
