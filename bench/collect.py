@@ -158,7 +158,7 @@ advance (non-inferiority at the margin, superiority strictly above it; one seed 
 most "not shown"), used by `bench/flite.py` and `bench/smartfed.py` alike. Given the no-training
 arm's difference to the same baseline, a "met" that not training reaches too (its point estimate
 clears the same bound) is "uninformative" (added 2026-12-05, after the results here were known:
-it turned FLITE's CIFAR-10 Dirichlet row from "met" to "uninformative").
+it turned FLITE's CIFAR-10 Dirichlet row and FedNL's MMLU row from "met" to "uninformative").
 `.venv/bin/python bench/protocol.py check PROTOCOL.json` refuses (exit 2, one line) a protocol
 whose seeds overlap, whose best value sits at a grid edge, whose budgets differ, that was tuned
 on the test split, states no margin, or lacks the no-training arm (tests/test_protocol.py).

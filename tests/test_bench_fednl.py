@@ -195,6 +195,14 @@ def test_paired_report_pairs_fednl_with_every_baseline_and_renders_each_line():
     text = "\n".join(paired_lines(report))
     assert "fednl:meta-rules − fedssi: +10.0 pp" in text and "fednl:meta-rules − fedala: +10.0 pp" in text
     assert "(20 questions gained, 0 lost)" in text
+    # the protocol's verdict against fedavg-lora: every model is within the margin, and so is round 0 (the same
+    # answers as fedavg-lora): not training would pass, so nothing is shown
+    assert text.count("| uninformative |") == 3
+    worse = base.copy()
+    worse[np.flatnonzero(base)[:40]] = False  # an untrained start 20 points below fedavg-lora
+    items.update({"round 0: backbone": scores(worse), "round 0: fednl at init": scores(worse)})
+    text = "\n".join(paired_lines(paired_report(items, ["fedavg-lora", "fednl:meta-rules"], 0.02)))
+    assert text.count("| met |") == 3 and "| uninformative |" not in text  # FedNL, FedSSI, FedALA
 
 
 def test_lm_runs_limit_fednl_to_its_window_and_sinks_and_bad_sizes_fail(tmp_path, capsys):

@@ -200,19 +200,29 @@ def report(args, results: dict, command: str) -> str:
 
 
 def paired_lines(paired: dict) -> list[str]:
+    from bench import protocol
+
+    from .runs import round0_of
+
     margin = paired["margin"]
     lines = [f"### MMLU, paired on {paired['items']:,} held-out questions (every client's, never trained on)", "",
              "Accuracy with its 95% Wilson interval; against fedavg-lora the paired difference (95% interval), "
-             f"McNemar's exact p and the one-sided non-inferiority p at a {margin * 100:g}-point margin "
-             "(p < 0.05: not worse by that much); *moved* is the final model against its own round 0.", "",
-             "| model | accuracy (95% CI) | Δ vs fedavg-lora (95% CI) | McNemar p | non-inferiority p | "
-             "moved from round 0 (95% CI) | McNemar p |", "|---|---|---|---|---|---|---|"]
+             f"McNemar's exact p, the one-sided non-inferiority p at a {margin * 100:g}-point margin "
+             "(p < 0.05: not worse by that much) and the verdict by the protocol's one rule (`bench/protocol.py`: "
+             f"the interval's lower bound against −{margin * 100:g} pp; *uninformative* when the model's own round 0, "
+             "untrained, is within the margin too); *moved* is the final model against its own round 0.", "",
+             "| model | accuracy (95% CI) | Δ vs fedavg-lora (95% CI) | McNemar p | non-inferiority p | verdict | "
+             "moved from round 0 (95% CI) | McNemar p |", "|---|---|---|---|---|---|---|---|"]
     versus = paired.get("vs_fedavg_lora", {}).get("runs", {})
     for name, acc in paired["accuracy"].items():
         row = f"| {name} | {acc['accuracy']:.3f} ({acc['ci95'][0]:.3f}..{acc['ci95'][1]:.3f}) | "
         d = versus.get(name, {}).get("accuracy_diff")
+        untrained = versus.get(f"round 0: {round0_of(name)}", {}).get("accuracy_diff")
+        verdict = (protocol.verdict(d["mean"] * 100, [v * 100 for v in d["ci95"]], -margin * 100,
+                                    no_training=untrained["mean"] * 100)
+                   if d and untrained and not name.startswith("round 0") and name != "fedavg-lora" else "—")
         row += (f"{d['mean'] * 100:+.1f} pp ({d['ci95'][0] * 100:+.1f}..{d['ci95'][1] * 100:+.1f}) | {d['p_value']:.3g} | "
-                f"{d['noninferior_p']:.3g} | " if d else "— | — | — | ")
+                f"{d['noninferior_p']:.3g} | {verdict} | " if d else "— | — | — | — | ")
         m = paired["moved"].get(name, {}).get("accuracy_diff")
         row += (f"{m['mean'] * 100:+.1f} pp ({m['ci95'][0] * 100:+.1f}..{m['ci95'][1] * 100:+.1f}) | {m['p_value']:.3g} |"
                 if m else "— | — |")
