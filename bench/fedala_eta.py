@@ -133,7 +133,8 @@ def report(results: dict) -> str:
         lines.append(f"| {mark}{eta:g}{mark} | {start:.2f} → {mark}{final:.2f}{mark} | {final - start:+.2f} | {shown} "
                      f"| {lo:.4f} to {hi:.4f} |")
     refusal = results.get("refused")
-    lines += ["", (f"Best η: **{entry['best'][KEY]:g}** (validation {metric} {entry['validation_score']}"
+    lines += ["", (f"Best η: **{entry['best'][KEY]:g}** (validation {metric} "
+                   f"{entry['validation_score'][format(entry['best'][KEY], 'g')]:.2f}"
                    f"{'; tied within ' + str(entry['tied_within']) if entry.get('tied_within') else ''}); "
                    + ("**refused**: " + refusal if refusal else "inside the grid: it may be used under a protocol"))
               if entry.get("best") else f"No best η: {refusal}", ""]

@@ -380,6 +380,6 @@ def test_fedala_eta_picks_eta_on_validation_reports_the_weights_range_and_refuse
     assert by_eta[100.0]["weights"][-1] == {"round": 2, "min": 0.9, "mean": pytest.approx(0.9625), "max": 1.0}
     text = (out / "tuning.md").read_text()
     assert "| **100** | 45.00 → **37.00** | -8.00 | 0.9000 / 0.9625 / 1.0000 | 0.9000 to 1.0000 |" in text
-    assert "Best η: **100**" in text
+    assert "Best η: **100** (validation perplexity 37.00); inside the grid" in text
     with pytest.raises(SystemExit):
         fedala_eta.main(["--eta-grid", "1,10", "--out", str(out)])  # two values cannot bracket a best
