@@ -173,6 +173,8 @@ committed, and `--protocol protocol.json` evaluates under it, refusing a file th
 committed as it is, and its report names that commit. For SmartFed, `bench/smartfed_protocol.py`
 does the same over four arms (SmartFed's tuned preset, FedAvg-LoRA in fp32, in int4 — the
 byte-matched baseline — and warm-started from the same pool, `algorithm.lora.init=pool`).
+FedALA's step size η, which left its weights at 1 in the MMLU comparison, is chosen the same way by
+`bench/fedala_eta.py` (validation split, a grid that must bracket the best, the weights' range reported).
 Reports made under the protocol say so in their first lines (the commit of their protocol
 file); the others were made before it existed: their tuning is described in each method's doc
 (docs/flite.md, docs/smartfed.md, docs/fednl.md), and docs/results.md marks each claim.
