@@ -505,6 +505,14 @@ def test_stream_texts_pairs_fednl_with_its_ablation_text_by_text_and_resumes(tmp
     assert "paired over 3 texts" in (tmp_path / "out" / "stream_texts.md").read_text()
     monkeypatch.setattr(stream_texts, "stream_text", lambda *a: pytest.fail("a streamed text was streamed again"))
     assert stream_texts.main(argv) == 0
+    # the control: FedNL at init streamed as well (here the "trained" FedNL is at init too: the same numbers)
+    monkeypatch.undo()
+    assert stream_texts.main([*argv, "--untrained"]) == 0
+    result = json.loads((tmp_path / "out" / "stream_texts.json").read_text())
+    assert np.allclose([result["nll"]["fednl-init"][p] for p in result["plays"]], nll["fednl"], atol=1e-4)
+    u = result["summary"]["untrained_minus_ablation_second_half"]
+    assert u["mean"] == pytest.approx(second.mean(), abs=1e-4)
+    assert "Control, FedNL untrained − ablation" in (tmp_path / "out" / "stream_texts.md").read_text()
     with pytest.raises(SystemExit, match="is not FedNL ablated"):
         stream_texts.main([*argv[:2], "--ablation", str(folders["fednl"]), *argv[4:]])
     with pytest.raises(SystemExit, match="--texts must be"):

@@ -12,7 +12,10 @@ name, or the ones named by ``--plays``). Both models read it block by block with
 * each model's mean CE per 1K-token bin, averaged over the texts (and a plot of it);
 * **fall**: each model's CE on the second half of a text minus its CE on the first half, mean over the
   texts with a 95% t interval (FedNL's memory should make it negative);
-* **FedNL − ablation on the second half**, paired text by text: mean, 95% t interval, paired t p.
+* **FedNL − ablation on the second half**, paired text by text: mean, 95% t interval, paired t p;
+* with ``--untrained``, a control: FedNL at init (the ``--fednl`` run's config, no training: its gates
+  at their initial value) read the same way, its bins, fall and second half − the ablation's — does
+  the trained memory or the memory path itself move the CE?
 
 The issue's target is met when FedNL's fall and the paired difference both have intervals below 0.
 The run folders are the ones ``bench.fednl``'s retrieval section (or ``bench.fednl.retrieval_protocol``)
@@ -32,7 +35,9 @@ from .runs import load_trained, log
 from .stats import t_interval
 
 MODELS = ("fednl", "fednl-ablate")
-LABELS = {"fednl": "FedNL (memory)", "fednl-ablate": "its ablation (memory off)"}
+CONTROL = "fednl-init"  # --untrained: FedNL at init, streamed the same way
+LABELS = {"fednl": "FedNL (memory)", "fednl-ablate": "its ablation (memory off)",
+          CONTROL: "FedNL untrained (control)"}
 BIN = 1024
 
 
@@ -74,7 +79,7 @@ def summarise(nll: dict[str, dict[str, list[float]]], plays: list[str]) -> dict:
         return float(x[: len(x) // 2].mean()), float(x[len(x) // 2:].mean())
 
     out = {"bins": {}, "first_half": {}, "second_half": {}, "fall": {}}
-    for key in MODELS:
+    for key in [k for k in (*MODELS, CONTROL) if k in nll]:
         arr = np.asarray([nll[key][p] for p in plays])
         bins = arr[:, : arr.shape[1] // BIN * BIN].reshape(len(plays), -1, BIN).mean(axis=2)
         out["bins"][key] = bins.mean(axis=0).tolist()
@@ -83,6 +88,9 @@ def summarise(nll: dict[str, dict[str, list[float]]], plays: list[str]) -> dict:
         out["fall"][key] = t_interval(np.subtract(second, first))
     out["fednl_minus_ablation_second_half"] = t_interval(
         np.subtract(out["second_half"]["fednl"], out["second_half"]["fednl-ablate"]))
+    if CONTROL in nll:
+        out["untrained_minus_ablation_second_half"] = t_interval(
+            np.subtract(out["second_half"][CONTROL], out["second_half"]["fednl-ablate"]))
     fall, diff = out["fall"]["fednl"], out["fednl_minus_ablation_second_half"]
     out["met"] = bool(fall["ci95"][1] < 0 and diff["ci95"][1] < 0)
     return out
@@ -97,7 +105,7 @@ def report_lines(result: dict) -> list[str]:
              f"{result['window']} + {result['sink']} sinks, blocks of {result['block']}. Plays: "
              + ", ".join(result["plays"]) + ".", "",
              "| model | CE per 1K bin (mean over the texts) | 2nd half − 1st half (95% t) |", "|---|---|---|"]
-    for key in MODELS:
+    for key in [k for k in (*MODELS, CONTROL) if k in s["bins"]]:
         f = s["fall"][key]
         lines.append(f"| {LABELS[key]} | " + " ".join(f"{b:.3f}" for b in s["bins"][key])
                      + f" | {f['mean']:+.4f} ({f['ci95'][0]:+.4f}..{f['ci95'][1]:+.4f}) |")
@@ -106,6 +114,10 @@ def report_lines(result: dict) -> list[str]:
               f"(95% t {d['ci95'][0]:+.4f}..{d['ci95'][1]:+.4f}, p = {d['p']:.2g}). Target (FedNL's CE falls along "
               "the stream and ends below the ablation's, both intervals below 0): "
               + ("**met**" if s["met"] else "**not met**") + "."]
+    if "untrained_minus_ablation_second_half" in s:
+        u = s["untrained_minus_ablation_second_half"]
+        lines += ["", f"Control, FedNL untrained − ablation on the second half: {u['mean']:+.4f} nats "
+                  f"(95% t {u['ci95'][0]:+.4f}..{u['ci95'][1]:+.4f})."]
     return lines
 
 
@@ -116,7 +128,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key in MODELS:
+    for key in result["summary"]["bins"]:
         bins = result["summary"]["bins"][key]
         ax.plot([(i + 1) * BIN / 1000 for i in range(len(bins))], bins, marker="o", label=LABELS[key])
     ax.set_xlabel("tokens read (thousands)")
@@ -138,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=8192, help="tokens streamed per text (≥ 2,048; default 8,192)")
     p.add_argument("--block", type=int, default=256, help="tokens per streamed block")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--untrained", action="store_true",
+                   help="also stream FedNL at init (the --fednl run's config, no training) as a control")
     p.add_argument("--out", required=True, help="folder for stream_texts.json, .md and .png")
     args = p.parse_args(argv)
     if args.length < 2 * BIN:
@@ -169,11 +183,13 @@ def main(argv=None) -> int:
         result = {**settings, "nll": {}}
     result.update(command="python -m bench.fednl.stream_texts " + " ".join(sys.argv[1:] if argv is None else argv),
                   date=time.strftime("%Y-%m-%d"), window=int(memory.window), sink=int(memory.get("sink", 0)))
-    for key in MODELS:
+    for key in (*MODELS, CONTROL) if args.untrained else MODELS:
         todo = [play for play in plays if play not in result["nll"].get(key, {})]
         if not todo:
             continue
-        model, tokenizer = load_trained(configs[key], json.loads((runs[key] / "summary.json").read_text()))
+        summary = ({"final_state": None} if key == CONTROL  # the same model built, nothing trained loaded
+                   else json.loads((runs[key] / "summary.json").read_text()))
+        model, tokenizer = load_trained(configs["fednl" if key == CONTROL else key], summary)
         for play in todo:
             start = time.time()
             nll = stream_text(model, tokenizer, play, args.length, args.block)
