@@ -220,7 +220,7 @@ def paired_lines(paired: dict) -> list[str]:
         untrained = versus.get(f"round 0: {round0_of(name)}", {}).get("accuracy_diff")
         verdict = (protocol.verdict(d["mean"] * 100, [v * 100 for v in d["ci95"]], -margin * 100,
                                     no_training=untrained["mean"] * 100)
-                   if d and untrained and not name.startswith("round 0") and name != "fedavg-lora" else "—")
+                   if d and untrained and not name.startswith("round 0") else "—")
         row += (f"{d['mean'] * 100:+.1f} pp ({d['ci95'][0] * 100:+.1f}..{d['ci95'][1] * 100:+.1f}) | {d['p_value']:.3g} | "
                 f"{d['noninferior_p']:.3g} | {verdict} | " if d else "— | — | — | — | ")
         m = paired["moved"].get(name, {}).get("accuracy_diff")

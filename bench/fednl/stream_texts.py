@@ -105,7 +105,7 @@ def report_lines(result: dict) -> list[str]:
              f"{result['window']} + {result['sink']} sinks, blocks of {result['block']}. Plays: "
              + ", ".join(result["plays"]) + ".", "",
              "| model | CE per 1K bin (mean over the texts) | 2nd half − 1st half (95% t) |", "|---|---|---|"]
-    for key in [k for k in (*MODELS, CONTROL) if k in s["bins"]]:
+    for key in s["bins"]:  # the models streamed, in summarise's order
         f = s["fall"][key]
         lines.append(f"| {LABELS[key]} | " + " ".join(f"{b:.3f}" for b in s["bins"][key])
                      + f" | {f['mean']:+.4f} ({f['ci95'][0]:+.4f}..{f['ci95'][1]:+.4f}) |")
