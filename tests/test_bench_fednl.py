@@ -333,6 +333,7 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
                        "--passkey-prompts", "4", "--retrieval-seeds", "1", "--retrieval-local-prompts", "2"])
     assert (args.retrieval_window, args.retrieval_rounds, args.retrieval_seeds) == (16, 1, [1])
     args.threads = 1
+    args.retrieval_keep = tmp_path / "kept"
     result = retrieval.section_retrieval(args, tmp_path)
     runs = result["runs"]["1"]
     assert list(runs) == ["fednl", "fednl-ablate", "fedavg-lora"]
@@ -358,6 +359,14 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
     again = retrieval.section_retrieval(args, tmp_path / "again")
     assert again["runs"]["1"]["fednl"]["per_length"] == runs["fednl"]["per_length"]
     assert again["runs"]["1"]["fednl"]["aggregation_drop"] == runs["fednl"]["aggregation_drop"]
+    # the run folders gone (a new machine): every run is taken from its kept record, rows and scores equal
+    args.retrieval_resume = None
+    kept = retrieval.section_retrieval(args, tmp_path / "kept-only")
+    assert kept["runs"]["1"] == json.loads(json.dumps(runs)) and kept["paired"] == result["paired"]
+    row, scores, _ = retrieval.read_record(args.retrieval_keep / "retrieval_fednl_s1.json")
+    with np.load(tmp_path / "retrieval_fednl_s1" / "retrieval_items.npz") as saved:
+        assert all(np.array_equal(scores[k], saved[k]) for k in retrieval.ITEM_KEYS)
+    assert not (tmp_path / "kept-only" / "retrieval_fednl_s1").exists()
     # a run stopped before it was scored is set aside, and the new one takes its folder's name
     (tmp_path / "round0" / "retrieval_fednl-round0_s1").mkdir(parents=True)
     # the no-training arm scores FedNL at init on the same prompts, training nothing
@@ -427,6 +436,9 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
                 result["runs"].setdefault(str(seed), {})[key] = {
                     "per_length": {str(m): [hits, n] for m in args.passkey_lengths},
                     "gate_alpha_by_round": [[0.1, 0.2]] if key == "fednl" else None, "run_dir": str(run_dir)}
+                if args.retrieval_keep is not None:  # the section keeps a record of every scored run
+                    retrieval.write_record(args.retrieval_keep / f"retrieval_{key}_s{seed}.json",
+                                           result["runs"][str(seed)][key], scored)
         result["paired"] = retrieval.paired(items, args.passkey_lengths)
         return result
 
@@ -469,6 +481,55 @@ def test_retrieval_protocol_tunes_every_arm_drafts_a_checked_protocol_and_evalua
     assert verdict["gain"] == "met" and verdict["share_recovered"] == pytest.approx(0.5) and verdict["share_met"]
     assert verdict["round0_minus_ablation_pp"] == 0.0  # the no-training arm finds nothing: the "met" is informative
     assert "committed at" in (tmp_path / "eval" / "retrieval.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "eval" / "runs").iterdir())[0] == "retrieval_fedavg-lora_s0.json"
+    # a part: one of the protocol's seeds; a seed outside them is refused
+    assert retrieval_protocol.main([*evaluate, "--seeds", "1"]) == 0
+    assert list(json.loads((tmp_path / "eval" / "retrieval.json").read_text())["runs"]) == ["1"]
+    assert retrieval_protocol.main([*evaluate, "--seeds", "5"]) == 2
+    assert "not among the protocol's evaluation seeds" in capsys.readouterr().err
+
+
+def test_records_from_counts_give_the_pairs_statistics_of_the_real_scores_and_refuse_when_they_cannot(
+        tmp_path, capsys):
+    """Lost run folders: records rebuilt from a retrieval.json's counts pair FedNL with the other arms exactly
+    as the real per-prompt scores do when every other arm got all or none of a length's prompts right (here
+    FedNL's right answers are scattered; the rebuilt ones come first), and are refused when one did not."""
+    from bench.fednl import retrieval, retrieval_protocol
+
+    rng = np.random.default_rng(0)
+    lengths, n = [256, 512], 30
+    real, rows = {}, {}
+    for seed in ("0", "1"):
+        for key, rate in (("fednl", 0.6 + 0.2 * int(seed)), ("fednl-ablate", 0.0), ("fedavg-lora", 1.0),
+                          ("fednl-round0", 0.0)):
+            correct = (rng.random(n * len(lengths)) < rate).astype(float)
+            length = np.repeat(lengths, n)
+            real.setdefault(seed, {})[key] = {"correct": correct, "loss": rng.random(len(correct)),
+                                              "index": rng.permutation(len(correct)), "length": length,
+                                              "client": np.zeros(len(correct), dtype=np.int64)}
+            real[seed][key]["index"] = real[seed]["fednl"]["index"]  # the same prompts in every arm
+            rows.setdefault(seed, {})[key] = {"per_length": {str(m): [int(correct[length == m].sum()), n]
+                                                             for m in lengths}, "lr": 1e-3}
+    source = tmp_path / "retrieval.json"
+    source.write_text(json.dumps({"runs": rows}))
+    keep = tmp_path / "runs"
+    assert retrieval_protocol.main(["records-from-counts", str(source), "--keep", str(keep)]) == 0
+    rebuilt = {seed: {key: retrieval.read_record(keep / f"retrieval_{key}_s{seed}.json")[1] for key in by}
+               for seed, by in rows.items()}
+    assert retrieval.read_record(keep / "retrieval_fednl_s0.json")[2] == {"rebuilt_from_counts": str(source)}
+    for length in lengths:
+        for ref in ("fednl-ablate", "fedavg-lora"):
+            a, b = (retrieval.paired(x, lengths)[str(length)][ref] for x in (real, rebuilt))
+            assert (a["gained"], a["lost"], a["prompts"]) == (b["gained"], b["lost"], b["prompts"])
+            assert a["p_value"] == pytest.approx(b["p_value"]) and a["diff"] == pytest.approx(b["diff"])
+            (m1, ci1, n1), (m2, ci2, n2) = (retrieval_protocol.pooled_difference(x, length, ref) for x in (real, rebuilt))
+            assert (m1, *ci1, n1) == pytest.approx((m2, *ci2, n2))
+        assert retrieval.paired(real, lengths)[str(length)]["recovered"]["share"] == \
+            pytest.approx(retrieval.paired(rebuilt, lengths)[str(length)]["recovered"]["share"])
+    rows["1"]["fednl-ablate"]["per_length"]["512"] = [3, n]  # an arm neither all right nor all wrong
+    source.write_text(json.dumps({"runs": rows}))
+    assert retrieval_protocol.main(["records-from-counts", str(source), "--keep", str(tmp_path / "no")]) == 2
+    assert "do not follow from the counts" in capsys.readouterr().err
 
 
 def test_stream_texts_pairs_fednl_with_its_ablation_text_by_text_and_resumes(tmp_path, monkeypatch, capsys):

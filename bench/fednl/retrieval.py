@@ -14,7 +14,9 @@ discordant pairs pooled); the share of the gap between the ablation and full att
 recovers; FedNL's gate α per layer after every round (``metrics.jsonl``: is the memory used at all?).
 Targets (issue #44): FedNL ≥ its ablation + 20 pp with p < 0.01, and at least half the gap recovered.
 Each scored run keeps ``retrieval_items.npz`` in its folder; ``--retrieval-resume FOLDER`` takes the
-runs of an earlier (stopped) invocation that were scored, and trains only the others.
+runs of an earlier (stopped) invocation that were scored, and trains only the others. ``--retrieval-keep
+FOLDER`` also writes each scored run's record (its row and per-prompt scores, no weights: small enough to
+commit) and takes a run from its record when its folder is gone.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def add_arguments(p) -> None:
                    help="retrieval: score the test prompts, or the validation ones (tuning)")
     p.add_argument("--retrieval-resume", default="",
                    help="retrieval: an earlier run folder: its scored runs are taken, only the others train")
+    p.add_argument("--retrieval-keep", default="",
+                   help="retrieval: a folder that keeps each scored run's record (its row and per-prompt scores, "
+                        "a few KB; no weights) and is resumed from when the run folders are gone")
     p.add_argument("--retrieval-local-prompts", type=int, default=0,
                    help="retrieval: the aggregation drop: each client scores its freshly trained model on its "
                         "first K held-out prompts in the last round (algorithm.eval_local=last), the final global model is "
@@ -74,6 +79,7 @@ def finish_args(p, args) -> None:
     args.retrieval_resume = Path(args.retrieval_resume) if args.retrieval_resume else None
     if args.retrieval_resume is not None and not args.retrieval_resume.is_dir():
         p.error(f"--retrieval-resume: no such folder {str(args.retrieval_resume)!r}")
+    args.retrieval_keep = Path(args.retrieval_keep) if args.retrieval_keep else None
 
 
 def lr_of(args, key: str) -> float:
@@ -174,6 +180,26 @@ def score(args, out: Path, spec: str, seed: int, summary: dict, trained) -> dict
     return items
 
 
+ITEM_KEYS = {"correct": float, "loss": float, "index": int, "length": int, "client": int}
+
+
+def write_record(path: Path, row: dict, items: dict, **extra) -> None:
+    """A scored run's record: its row of ``retrieval.json`` and its per-prompt scores (``ITEM_KEYS``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {**extra, "row": row, "items": {k: [ITEM_KEYS[k](v) for v in items[k]] for k in ITEM_KEYS}}
+    path.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def read_record(path: Path) -> tuple[dict, dict, dict]:
+    """(row, per-prompt scores as arrays, the record's other fields) of a kept record."""
+    import numpy as np
+
+    record = json.loads(path.read_text())
+    items = {k: np.asarray(record["items"][k], dtype=np.float64 if kind is float else np.int64)
+             for k, kind in ITEM_KEYS.items()}
+    return record["row"], items, {k: v for k, v in record.items() if k not in ("row", "items")}
+
+
 def section_retrieval(args, out: Path) -> dict:
     import numpy as np
     import torch
@@ -190,6 +216,13 @@ def section_retrieval(args, out: Path) -> dict:
         for spec in args.retrieval_algorithms:
             key, trained = spec_key(spec), None  # trained: the final model and tokenizer, once loaded
             earlier = args.retrieval_resume / f"retrieval_{key}_s{seed}" if args.retrieval_resume else None
+            kept = args.retrieval_keep / f"retrieval_{key}_s{seed}.json" if args.retrieval_keep else None
+            if kept is not None and kept.is_file() and not (earlier and (earlier / "retrieval_items.npz").is_file()):
+                row, scored, extra = read_record(kept)
+                items.setdefault(str(seed), {})[key] = scored
+                result["runs"].setdefault(str(seed), {})[key] = {**row, **extra}
+                log(f"retrieval {key}, seed {seed}: taken from its record {kept}")
+                continue
             if earlier is not None and (earlier / "retrieval_items.npz").is_file():
                 summary = {**json.loads((earlier / "summary.json").read_text()), "run_dir": str(earlier.resolve())}
                 with np.load(earlier / "retrieval_items.npz") as saved:
@@ -230,6 +263,8 @@ def section_retrieval(args, out: Path) -> dict:
                 "uplink_bytes_per_client_round": summary.get("uplink_bytes_per_client_round"),
                 "aggregation_drop": drop,
                 "run_dir": summary["run_dir"]}
+            if kept is not None:
+                write_record(kept, result["runs"][str(seed)][key], scored)
             (out / "retrieval.json").write_text(json.dumps(result, indent=2))
     result["paired"] = paired(items, args.passkey_lengths)
     (out / "retrieval.json").write_text(json.dumps(result, indent=2))

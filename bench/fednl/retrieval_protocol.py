@@ -35,16 +35,18 @@ import sys
 import time
 from pathlib import Path
 
-from .retrieval import ALGORITHMS, ROUND0, TARGET_GAIN, TARGET_P, TARGET_SHARE, retrieval_lines, section_retrieval
+from .retrieval import (ALGORITHMS, ROUND0, TARGET_GAIN, TARGET_P, TARGET_SHARE, read_record, retrieval_lines,
+                        section_retrieval, write_record)
 from .runs import log, spec_key
 
 ARMS = {spec_key(spec): spec for spec in ALGORITHMS}  # fednl, fednl-ablate, fedavg-lora
 MANAGED = ("--sections", "--retrieval-algorithms", "--retrieval-seeds", "--retrieval-split", "--lr", "--out",
-           "--retrieval-resume", "--retrieval-local-prompts")  # set by this tool, never in the training settings
+           "--retrieval-resume", "--retrieval-keep",
+           "--retrieval-local-prompts")  # set by this tool, never in the training settings
 
 
 def bench_args(extra: list[str], *, algorithms: list[str], seeds: list[int], split: str, out: Path, lengths=None,
-               prompts=None, local_prompts=0):
+               prompts=None, local_prompts=0, keep: Path | None = None):
     """bench.fednl's parsed arguments for one call of the retrieval section."""
     from .cli import parse_args
 
@@ -58,6 +60,8 @@ def bench_args(extra: list[str], *, algorithms: list[str], seeds: list[int], spl
         argv += ["--retrieval-local-prompts", str(local_prompts)]
     if out.is_dir():
         argv += ["--retrieval-resume", str(out)]
+    if keep is not None:
+        argv += ["--retrieval-keep", str(keep)]
     return parse_args(argv)
 
 
@@ -183,9 +187,45 @@ def pooled_difference(items: dict, length: int, ref: str, method: str = "fednl"
     return stats["mean"], tuple(stats["ci95"]), stats["n"]
 
 
-def evaluate(args) -> int:
-    import numpy as np
+def records_from_counts(args) -> int:
+    """Records (``--retrieval-keep``) rebuilt from a ``retrieval.json`` whose runs' folders are gone, for
+    a seed where the per-prompt pairs follow from the counts alone: every arm but FedNL got all or none of a
+    length's prompts right, so every order of FedNL's right answers gives the same paired statistics
+    (McNemar's discordant counts, the paired mean and its interval, the share of the gap). Refused (exit 2)
+    otherwise. Per-prompt answer CE is not rebuilt (NaN); each row keeps its arm's mean answer CE."""
+    source = json.loads(Path(args.source).read_text())
+    keep = Path(args.keep)
+    for seed in [str(s) for s in (args.seeds or source["runs"])]:
+        runs = source["runs"].get(seed)
+        if not runs or "fednl" not in runs:
+            print(f"refused: {args.source} has no FedNL run for seed {seed}", file=sys.stderr)
+            return 2
+        lengths = sorted({int(n) for row in runs.values() for n in row["per_length"]})
+        for key, row in runs.items():
+            for n in lengths:
+                right, total = row["per_length"].get(str(n), (None, None))
+                if total != runs["fednl"]["per_length"].get(str(n), (0, -1))[1]:
+                    print(f"refused: seed {seed}, {key} scored another number of {n}-token prompts than FedNL",
+                          file=sys.stderr)
+                    return 2
+                if key != "fednl" and right not in (0, total):
+                    print(f"refused: seed {seed}, {key} got {right}/{total} of the {n}-token prompts right: the "
+                          "pairs with FedNL do not follow from the counts", file=sys.stderr)
+                    return 2
+        for key, row in runs.items():
+            correct, length = [], []
+            for n in lengths:
+                right, total = row["per_length"][str(n)]
+                correct += [1.0] * right + [0.0] * (total - right)
+                length += [n] * total
+            items = {"correct": correct, "loss": [math.nan] * len(correct), "index": range(len(correct)),
+                     "length": length, "client": [0] * len(correct)}
+            write_record(keep / f"retrieval_{key}_s{seed}.json", row, items, rebuilt_from_counts=str(args.source))
+        log(f"seed {seed}: {len(runs)} records rebuilt from {args.source} into {keep}")
+    return 0
 
+
+def evaluate(args) -> int:
     from bench import protocol
 
     try:
@@ -197,20 +237,23 @@ def evaluate(args) -> int:
     if set(arms) != set(ARMS):
         print(f"refused: the protocol's arms {sorted(arms)} are not {sorted(ARMS)}", file=sys.stderr)
         return 2
+    seeds = args.seeds or spec["evaluation_seeds"]
+    if set(seeds) - set(spec["evaluation_seeds"]):
+        print(f"refused: --seeds {sorted(set(seeds) - set(spec['evaluation_seeds']))} are not among the protocol's "
+              f"evaluation seeds {spec['evaluation_seeds']}", file=sys.stderr)
+        return 2
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
-    parsed = bench_args(spec["bench_args"], algorithms=[*ALGORITHMS, ROUND0], seeds=spec["evaluation_seeds"],
+    parsed = bench_args(spec["bench_args"], algorithms=[*ALGORITHMS, ROUND0], seeds=seeds,
                         split="test", out=runs, lengths=spec["evaluation"]["lengths"],
                         prompts=spec["evaluation"]["prompts"],
-                        local_prompts=int(spec["evaluation"].get("local_prompts", 0)))
+                        local_prompts=int(spec["evaluation"].get("local_prompts", 0)), keep=out / "runs")
     parsed.retrieval_lrs = {name: float(arm["best"]["train.lr"]) for name, arm in arms.items()}
     result = section_retrieval(parsed, runs)
-    items = {}
-    for seed, by_arm in result["runs"].items():
-        items[seed] = {}
-        for key, run in by_arm.items():
-            with np.load(Path(run["run_dir"]) / "retrieval_items.npz") as saved:
-                items[seed][key] = {k: saved[k] for k in saved.files}
+    items = {seed: {key: read_record(parsed.retrieval_keep / f"retrieval_{key}_s{seed}.json")[1] for key in by_arm}
+             for seed, by_arm in result["runs"].items()}
+    rebuilt = sorted({seed for seed, by_arm in result["runs"].items() for row in by_arm.values()
+                      if row.get("rebuilt_from_counts")})
     verdicts = {}
     for length in parsed.passkey_lengths:
         diff, interval, n = pooled_difference(items, length, "fednl-ablate")
@@ -236,7 +279,11 @@ def evaluate(args) -> int:
              f"{spec['tuning_seeds']}, validation); learning rates: "
              + ", ".join(f"{k} {v:g}" for k, v in parsed.retrieval_lrs.items())
              + "; the no-training arm is FedNL at init (`fednl-round0`). Changes made after a result was seen: "
-             + ("; ".join(spec.get("changes_after_results") or []) or "none") + ".",
+             + ("; ".join(spec.get("changes_after_results") or []) or "none") + "."
+             + (f" Seeds {', '.join(rebuilt)}: the runs' folders were lost with a session's machine; their "
+                "records were rebuilt from the counts in their earlier retrieval.json (`records-from-counts`: "
+                "exact, as every arm paired with FedNL got all or none of a length's prompts right; per-prompt "
+                "answer CE is not kept for them)." if rebuilt else ""),
              retrieval_lines(result), "## Verdicts (one rule: the 95% interval's bound against the margin)", ""]
     for length, v in verdicts.items():
         lines.append(f"- {length} tokens: FedNL − ablation {v['fednl_minus_ablation_pp']:+.1f} pp "
@@ -279,7 +326,16 @@ def main(argv=None) -> int:
     e.add_argument("protocol")
     e.add_argument("--out", required=True)
     e.add_argument("--runs", required=True, help="the evaluation runs' folders (resumable)")
+    e.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="run only these of the protocol's evaluation seeds (a part; default: all of them)")
+    r = sub.add_parser("records-from-counts", help="evaluation records rebuilt from an earlier retrieval.json's "
+                                                   "counts, where the pairs follow from them (runs' folders lost)")
+    r.add_argument("source", help="an earlier retrieval.json (its runs' rows)")
+    r.add_argument("--keep", required=True, help="the records' folder (evaluate's <--out>/runs)")
+    r.add_argument("--seeds", type=int, nargs="+", default=None, help="default: every seed in the source")
     args = p.parse_args(argv)
+    if args.command == "records-from-counts":
+        return records_from_counts(args)
     if args.command == "tune":
         return tune(args, extra)
     if extra:
