@@ -101,6 +101,39 @@ def test_paired_scores_saved_beside_results_make_a_combine_need_no_run_folder(tm
         mmlu_from([out / "results.json"])
 
 
+def test_mmlu_add_trains_only_the_new_part_and_pairs_it_with_the_earlier_scores(tmp_path, monkeypatch, capsys):
+    """--mmlu-add: a part added to a combined result; only it trains, and the pairing gets the scores the
+    file carries (round 0 included), so none of them is computed again."""
+    from bench.fednl import cli
+
+    rng = np.random.default_rng(2)
+    items = {name: {"client": np.zeros(20, dtype=np.int64), "index": np.arange(20), "loss": rng.random(20),
+                    "correct": (rng.random(20) < 0.3).astype(np.float64)}
+             for name in ("fedavg-lora", "round 0: backbone")}
+    combined = tmp_path / "combined"
+    index = save_items(combined, items)
+    (combined / "results.json").write_text(json.dumps({"mmlu": {"fedavg-lora": {"run_dir": "/gone", "average": 0.3}},
+                                                       "mmlu_items": index}))
+    trained, given = [], {}
+    monkeypatch.setattr(cli, "section_mmlu", lambda args, out, saved: trained.append(args.algorithms) or
+                        {"fedssi": {"run_dir": str(tmp_path / "fedssi"), "average": 0.25}})
+
+    def fake_paired(args, out, mmlu, have):
+        given.update(mmlu=list(mmlu), have=sorted(have))
+        return {"pairs": 1}, have
+    monkeypatch.setattr(cli, "mmlu_paired", fake_paired)
+    monkeypatch.setattr(cli, "report", lambda args, results, command: "")  # (the report is tested apart)
+    cli.main(["--sections", "mmlu", "--paired", "--mmlu-from", str(combined / "results.json"), "--mmlu-add", "fedssi",
+              "--out", str(tmp_path / "out")])
+    assert trained == [["fedssi"]]
+    assert given == {"mmlu": ["fedavg-lora", "fedssi"], "have": ["fedavg-lora", "round 0: backbone"]}
+    written = json.loads(next((tmp_path / "out").glob("*/results.json")).read_text())
+    assert list(written["mmlu"]) == ["fedavg-lora", "fedssi"]
+    with pytest.raises(SystemExit):
+        parse_args(["--mmlu-add", "fedssi"])
+    assert "give them with --mmlu-from" in capsys.readouterr().err
+
+
 def test_quick_mode_shrinks_every_section_to_the_tiny_model():
     for flag in ("--quick", "--smoke"):  # --smoke: the older name, kept
         args = parse_args([flag])

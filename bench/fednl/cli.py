@@ -54,6 +54,10 @@ def parse_args(argv=None):
                         "questions, item by item, and compare them paired (95%% intervals, McNemar, "
                         "non-inferiority at --margin) against fedavg-lora and FedNL against its ablation")
     p.add_argument("--margin", type=float, default=0.02, help="non-inferiority margin of --paired (0.02 = 2 points)")
+    p.add_argument("--mmlu-add", default="",
+                   help="with --mmlu-from: comma list of algorithms to train and add to those runs (a part added "
+                        "to a combined result; with --paired the scores the files carry, round 0 included, are "
+                        "not computed again)")
     p.add_argument("--mmlu-from", default="",
                    help="comma list of results.json files of earlier MMLU runs (e.g. one algorithm each): their runs "
                         "are taken as this run's MMLU section instead of training (with --paired: compared together; "
@@ -150,6 +154,9 @@ def parse_args(argv=None):
     missing = [str(x) for x in args.mmlu_from if not x.is_file()]
     if missing:
         p.error(f"--mmlu-from: no such file {missing}")
+    args.mmlu_add = [a for a in args.mmlu_add.split(",") if a]
+    if args.mmlu_add and not args.mmlu_from:
+        p.error("--mmlu-add adds runs to earlier ones: give them with --mmlu-from")
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
@@ -221,6 +228,13 @@ def main(argv=None) -> None:
             items = {}
             if args.mmlu_from:
                 results["mmlu"], items = mmlu_from(args.mmlu_from)
+                if args.mmlu_add:
+                    earlier = dict(results["mmlu"])
+                    added = section_mmlu(argparse.Namespace(**{**vars(args), "algorithms": args.mmlu_add}), out,
+                                         lambda runs: saved({**earlier, **runs}))
+                    for spec in added:  # a run added again replaces the earlier one and its scores
+                        items.pop(spec, None)
+                    results["mmlu"] = {**earlier, **added}
             else:
                 results["mmlu"] = section_mmlu(args, out, saved)
             if args.paired:
