@@ -279,7 +279,7 @@ def evaluate(args) -> int:
              f"{spec['tuning_seeds']}, validation); learning rates: "
              + ", ".join(f"{k} {v:g}" for k, v in parsed.retrieval_lrs.items())
              + "; the no-training arm is FedNL at init (`fednl-round0`). Changes made after a result was seen: "
-             + ("; ".join(spec.get("changes_after_results") or []) or "none") + "."
+             + ("; ".join(c.rstrip(".") for c in spec.get("changes_after_results") or []) or "none") + "."
              + (f" Seeds {', '.join(rebuilt)}: the runs' folders were lost with a session's machine; their "
                 "records were rebuilt from the counts in their earlier retrieval.json (`records-from-counts`: "
                 "exact, as every arm paired with FedNL got all or none of a length's prompts right; per-prompt "
