@@ -400,6 +400,9 @@ def test_retrieval_trains_scores_the_same_prompts_pairs_fednl_and_records_the_ga
     with np.load(tmp_path / "retrieval_fednl_s1" / "retrieval_items.npz") as saved:
         assert all(np.array_equal(scores[k], saved[k]) for k in retrieval.ITEM_KEYS)
     assert not (tmp_path / "kept-only" / "retrieval_fednl_s1").exists()
+    (args.retrieval_keep / "retrieval_fedavg-lora_s1.json").write_text('{"row": {}, "items": {"correct": [1]}}')
+    with pytest.raises(SystemExit, match="not a retrieval record"):
+        retrieval.section_retrieval(args, tmp_path / "kept-only")
     # a run stopped before it was scored is set aside, and the new one takes its folder's name
     (tmp_path / "round0" / "retrieval_fednl-round0_s1").mkdir(parents=True)
     # the no-training arm scores FedNL at init on the same prompts, training nothing

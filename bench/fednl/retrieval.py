@@ -194,9 +194,14 @@ def read_record(path: Path) -> tuple[dict, dict, dict]:
     """(row, per-prompt scores as arrays, the record's other fields) of a kept record."""
     import numpy as np
 
-    record = json.loads(path.read_text())
-    items = {k: np.asarray(record["items"][k], dtype=np.float64 if kind is float else np.int64)
-             for k, kind in ITEM_KEYS.items()}
+    try:
+        record = json.loads(path.read_text())
+        items = {k: np.asarray(record["items"][k], dtype=np.float64 if kind is float else np.int64)
+                 for k, kind in ITEM_KEYS.items()}
+        if len({len(v) for v in items.values()}) != 1 or not isinstance(record["row"], dict):
+            raise ValueError("its per-prompt scores differ in length")
+    except (ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"{path}: not a retrieval record ({err!r}); remove it to train and score that run again")
     return record["row"], items, {k: v for k, v in record.items() if k not in ("row", "items")}
 
 
