@@ -183,6 +183,11 @@ def score(args, out: Path, spec: str, seed: int, summary: dict, trained) -> dict
 ITEM_KEYS = {"correct": float, "loss": float, "index": int, "length": int, "client": int}
 
 
+def record_path(keep: Path, key: str, seed) -> Path:
+    """Where ``--retrieval-keep`` keeps the record of result key ``key``'s run on ``seed``."""
+    return Path(keep) / f"retrieval_{key}_s{seed}.json"
+
+
 def write_record(path: Path, row: dict, items: dict, **extra) -> None:
     """A scored run's record: its row of ``retrieval.json`` and its per-prompt scores (``ITEM_KEYS``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +226,7 @@ def section_retrieval(args, out: Path) -> dict:
         for spec in args.retrieval_algorithms:
             key, trained = spec_key(spec), None  # trained: the final model and tokenizer, once loaded
             earlier = args.retrieval_resume / f"retrieval_{key}_s{seed}" if args.retrieval_resume else None
-            kept = args.retrieval_keep / f"retrieval_{key}_s{seed}.json" if args.retrieval_keep else None
+            kept = record_path(args.retrieval_keep, key, seed) if args.retrieval_keep else None
             if kept is not None and kept.is_file() and not (earlier and (earlier / "retrieval_items.npz").is_file()):
                 row, scored, extra = read_record(kept)
                 items.setdefault(str(seed), {})[key] = scored

@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from .retrieval import (ALGORITHMS, ROUND0, TARGET_GAIN, TARGET_P, TARGET_SHARE, read_record, retrieval_lines,
-                        section_retrieval, write_record)
+from .retrieval import (ALGORITHMS, ROUND0, TARGET_GAIN, TARGET_P, TARGET_SHARE, read_record, record_path,
+                        retrieval_lines, section_retrieval, write_record)
 from .runs import log, spec_key
 
 ARMS = {spec_key(spec): spec for spec in ALGORITHMS}  # fednl, fednl-ablate, fedavg-lora
@@ -220,7 +220,7 @@ def records_from_counts(args) -> int:
                 length += [n] * total
             items = {"correct": correct, "loss": [math.nan] * len(correct), "index": range(len(correct)),
                      "length": length, "client": [0] * len(correct)}
-            write_record(keep / f"retrieval_{key}_s{seed}.json", row, items, rebuilt_from_counts=str(args.source))
+            write_record(record_path(keep, key, seed), row, items, rebuilt_from_counts=str(args.source))
         log(f"seed {seed}: {len(runs)} records rebuilt from {args.source} into {keep}")
     return 0
 
@@ -250,7 +250,7 @@ def evaluate(args) -> int:
                         local_prompts=int(spec["evaluation"].get("local_prompts", 0)), keep=out / "runs")
     parsed.retrieval_lrs = {name: float(arm["best"]["train.lr"]) for name, arm in arms.items()}
     result = section_retrieval(parsed, runs)
-    items = {seed: {key: read_record(parsed.retrieval_keep / f"retrieval_{key}_s{seed}.json")[1] for key in by_arm}
+    items = {seed: {key: read_record(record_path(parsed.retrieval_keep, key, seed))[1] for key in by_arm}
              for seed, by_arm in result["runs"].items()}
     rebuilt = sorted({seed for seed, by_arm in result["runs"].items() for row in by_arm.values()
                       if row.get("rebuilt_from_counts")})
