@@ -79,23 +79,9 @@ def parse_args(argv=None):
     return args
 
 
-def weights_by_round(run_dir: str | Path) -> list[dict]:
-    """The clients' ALA weights after each round's ALA: min of the minima, mean of the means, max of
-    the maxima (rounds where no client ran ALA are left out)."""
-    from fedapps.outputs import read_metrics
-
-    rows = []
-    for record in read_metrics(run_dir):
-        clients = [c for c in record["clients"] if "eval_ala-weight-mean" in c]
-        if clients:
-            rows.append({"round": record["round"],
-                         "min": min(c.get("eval_ala-weight-min", c["eval_ala-weight-mean"]) for c in clients),
-                         "mean": statistics.fmean(c["eval_ala-weight-mean"] for c in clients),
-                         "max": max(c.get("eval_ala-weight-max", c["eval_ala-weight-mean"]) for c in clients)})
-    return rows
-
-
 def one(args, eta: float, seed: int) -> dict:
+    from fedapps.fedala import ala_weights_by_round
+
     runs_dir = (args.runs_dir or ROOT / "outputs" / "bench-fedala-eta").expanduser().resolve()
     items = [f"model={args.model}", f"task={args.task}", f"rounds={args.rounds}", f"num_clients={args.clients}",
              f"train.local_steps={args.steps}", f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}",
@@ -106,7 +92,7 @@ def one(args, eta: float, seed: int) -> dict:
         raise SystemExit(f"the run at η={eta:g}, seed {seed} did not complete ({summary.get('status')}): "
                          f"{summary.get('run_dir')}")
     return {"eta": eta, "seed": seed, "metric": summary["metric"], "initial_metric": summary["initial_metric"],
-            "final_metric": summary["final_metric"], "weights": weights_by_round(summary["run_dir"]),
+            "final_metric": summary["final_metric"], "weights": ala_weights_by_round(summary["run_dir"]),
             "run_dir": summary["run_dir"]}
 
 

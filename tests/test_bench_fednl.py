@@ -134,6 +134,44 @@ def test_mmlu_add_trains_only_the_new_part_and_pairs_it_with_the_earlier_scores(
     assert "give them with --mmlu-from" in capsys.readouterr().err
 
 
+def test_fedala_overrides_reach_fedala_only_and_its_weights_range_is_reported(tmp_path, monkeypatch, capsys):
+    """--fedala-overrides (FedALA's η tuned on validation) go to FedALA's MMLU run after its caps, not to
+    others; its run records them and the ALA weights' range per round, and the report prints that range."""
+    from bench.fednl import mmlu
+
+    args = parse_args(["--sections", "mmlu", "--fedala-overrides", "algorithm.ala.eta=1000 algorithm.ala.max_batches=8",
+                       "--algorithms", "fedala", "--quick"])
+    assert args.fedala_overrides == ["algorithm.ala.eta=1000", "algorithm.ala.max_batches=8"]
+    name, overrides = algorithm_overrides("fedala", args.fednl_overrides, args.fedala_overrides)
+    assert overrides[-2:] == args.fedala_overrides and "algorithm.ala.max_batches=4" in overrides  # the caps first
+    assert "algorithm.ala.eta=1000" not in algorithm_overrides("fednl", (), args.fedala_overrides)[1]
+    seen = {}
+
+    def fake_run(cfg):
+        seen.update(eta=cfg.algorithm.ala.eta, max_batches=cfg.algorithm.ala.max_batches)
+        run_dir = tmp_path / "mmlu_fedala"
+        run_dir.mkdir()
+        clients = [{"eval_partition-id": i, "eval_accuracy": 0.25, "eval_num-examples": 8,
+                    "eval_ala-weight-mean": 0.9, "eval_ala-weight-min": 0.1 * i, "eval_ala-weight-max": 1.0}
+                   for i in range(5)]
+        records = [{"round": 0, "clients": []}, {"round": 1, "clients": clients}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return {"run_dir": str(run_dir), "initial_metric": 0.2, "uplink_bytes_per_client_round": 1.0,
+                "downlink_bytes_per_client_round": 1.0, "bench_seconds": 1.0}
+
+    monkeypatch.setattr(mmlu, "run", fake_run)
+    runs = mmlu.section_mmlu(args, tmp_path)
+    assert seen == {"eta": 1000.0, "max_batches": 8}
+    assert runs["fedala"]["ala_weights"] == [{"round": 1, "min": 0.0, "mean": pytest.approx(0.9), "max": 1.0}]
+    assert "algorithm.ala.eta=1000" in runs["fedala"]["overrides"]
+    text = render_report(args, {"mmlu": runs}, "cmd")
+    assert "fedala's ALA weights after each round's ALA (algorithm.ala.max_batches=4" in text
+    assert "round 1: 0.0000 / 0.9000 / 1.0000" in text
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--fedala-overrides", "algorithm.ala.etta=1"])
+    assert stop.value.code == 2 and "--fedala-overrides" in capsys.readouterr().err
+
+
 def test_quick_mode_shrinks_every_section_to_the_tiny_model():
     for flag in ("--quick", "--smoke"):  # --smoke: the older name, kept
         args = parse_args([flag])

@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--fednl-overrides", default="",
                    help="Hydra overrides for FedNL's runs only (its modes and its ablation), e.g. "
                         "\"algorithm.lr.gate=0.05\"; checked before anything runs")
+    p.add_argument("--fedala-overrides", default="",
+                   help="Hydra overrides for FedALA's runs only, e.g. \"algorithm.ala.eta=1000\" (its η tuned on "
+                        "validation by bench/fedala_eta.py); checked before anything runs")
     p.add_argument("--niah-rounds", type=int, default=1)
     p.add_argument("--niah-steps", type=int, default=3)
     p.add_argument("--niah-train-length", type=int, default=768, help="(the multi-value template needs >= ~510)")
@@ -132,17 +135,19 @@ def parse_args(argv=None):
         p.error(f"--margin must be a fraction in [0, 1), got {args.margin}")
     if args.mmlu_test < 1:
         p.error(f"--mmlu-test must be at least 1, got {args.mmlu_test}")
-    try:
-        args.fednl_overrides = shlex.split(args.fednl_overrides)
-    except ValueError as err:
-        p.error(f"--fednl-overrides: {err}")
-    if args.fednl_overrides and not args.render:  # a typo fails here, not after other runs took an hour
-        from fedapps.config import compose
-
+    for algorithm in ("fednl", "fedala"):  # --fednl-overrides, --fedala-overrides
+        flag, key = f"--{algorithm}-overrides", f"{algorithm}_overrides"
         try:
-            compose([*args.fednl_overrides, f"model={args.model}"], preset="fednl-cpu", algorithm="fednl")
-        except ValueError as err:  # ConfigError (an unknown key, a value out of range)
-            p.error(f"--fednl-overrides: {err}")
+            setattr(args, key, shlex.split(getattr(args, key)))
+        except ValueError as err:
+            p.error(f"{flag}: {err}")
+        if getattr(args, key) and not args.render:  # a typo fails here, not after other runs took an hour
+            from fedapps.config import compose
+
+            try:
+                compose([*getattr(args, key), f"model={args.model}"], preset="fednl-cpu", algorithm=algorithm)
+            except ValueError as err:  # ConfigError (an unknown key, a value out of range)
+                p.error(f"{flag}: {err}")
     retrieval_finish(p, args)  # after --fednl-overrides is split
     args.niah_resume = Path(args.niah_resume) if args.niah_resume else None
     if args.niah_resume is not None and not args.niah_resume.is_dir():

@@ -20,7 +20,7 @@ def section_mmlu(args, out: Path, saved=None) -> dict:
 
     results = {}
     for spec in args.algorithms:
-        name, overrides = algorithm_overrides(spec, args.fednl_overrides)
+        name, overrides = algorithm_overrides(spec, args.fednl_overrides, args.fedala_overrides)
         cfg = compose(
             [*common(args), *overrides, f"model={args.model}", f"rounds={args.rounds}",
              f"train.local_steps={args.local_steps}", f"eval.max_batches={args.eval_batches}",
@@ -47,7 +47,12 @@ def section_mmlu(args, out: Path, saved=None) -> dict:
             "test_questions_per_client": last["clients"][0]["eval_num-examples"],
             "seconds": summary["bench_seconds"],
             "run_dir": summary["run_dir"],
+            "overrides": overrides,  # the algorithm's own (its mode, caps, --fednl-/--fedala-overrides)
         }
+        if name == "fedala":  # did its weights move (with η = 1 they did not: docs/fednl.md)
+            from fedapps.fedala import ala_weights_by_round
+
+            results[spec]["ala_weights"] = ala_weights_by_round(summary["run_dir"])
         log(f"MMLU {spec}: average {results[spec]['average']:.3f}, uplink {results[spec]['uplink_bytes']:,.0f} B, "
             f"{results[spec]['seconds']:.0f} s")
         if saved is not None:

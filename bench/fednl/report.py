@@ -67,6 +67,13 @@ def report(args, results: dict, command: str) -> str:
                 lines.append(f"| {spec} | " + " | ".join(f"{d:+.3f}" for d in drops) +
                              f" | {mean:+.3f} ({low:+.3f}..{high:+.3f}) |")
         lines.append("")
+        for spec, r in mmlu.items():
+            if r.get("ala_weights"):
+                settings = [o for o in r.get("overrides", []) if o.startswith("algorithm.ala.")]
+                lines += [f"{spec}'s ALA weights after each round's ALA ({', '.join(settings) or 'its defaults'}), "
+                          "min / mean / max over the clients and elements: "
+                          + "; ".join(f"round {w['round']}: {w['min']:.4f} / {w['mean']:.4f} / {w['max']:.4f}"
+                                      for w in r["ala_weights"]) + ".", ""]
     if results.get("mmlu_paired"):
         lines += paired_lines(results["mmlu_paired"])
     niah = results.get("niah")

@@ -26,10 +26,11 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def algorithm_overrides(spec: str, fednl_overrides=()) -> tuple[str, list[str]]:
+def algorithm_overrides(spec: str, fednl_overrides=(), fedala_overrides=()) -> tuple[str, list[str]]:
     """'fednl:gate' -> ('fednl', ['algorithm.mode=gate']); 'fednl:ablate' -> FedNL's own ablation (meta-rules
     with the memory path off: algorithm.ablate_memory=true); 'fedala' -> ('fedala', [...caps]).
-    ``fednl_overrides`` (``--fednl-overrides``) go to every FedNL run, its ablation included."""
+    ``fednl_overrides`` (``--fednl-overrides``) go to every FedNL run, its ablation included;
+    ``fedala_overrides`` (``--fedala-overrides``) to FedALA's, after its caps (so they can change them)."""
     name, _, mode = spec.partition(":")
     overrides = []
     if name == "fednl" and mode == "ablate":
@@ -42,7 +43,7 @@ def algorithm_overrides(spec: str, fednl_overrides=()) -> tuple[str, list[str]]:
     if name == "fednl":
         overrides += list(fednl_overrides)
     if name == "fedala":  # the start phase: at most 2 passes of 4 batches on 2 cores
-        overrides += ["algorithm.ala.max_batches=4", "algorithm.ala.max_start_epochs=2"]
+        overrides += ["algorithm.ala.max_batches=4", "algorithm.ala.max_start_epochs=2", *fedala_overrides]
     if name == "fedssi":
         overrides += ["algorithm.ssi.psm_steps=2"]
     return name, overrides
