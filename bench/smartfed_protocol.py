@@ -119,6 +119,7 @@ def parse_args(argv=None):
 
 def setup(args) -> tuple[list[str], Path, list[str]]:
     """The pool (built once; the target's data checked absent) and every run's common overrides."""
+    from clients.smartfed.pool import Pool
     from fedapps.config import compose
     from postcard import pool as pool_cli
 
@@ -133,7 +134,17 @@ def setup(args) -> tuple[list[str], Path, list[str]]:
            f"train.local_steps={args.steps}", f"train.lr={args.lr}", f"eval.max_batches={args.eval_batches}"]
     held = check_unseen(pool_path, compose(run))
     pooled = [f"algorithm.pool={pool_path}", f"algorithm.adapters=[{','.join(held)}]"]
+    args.pool_sha256 = Pool(pool_path).weights_sha256(held)
     return run, pool_path, pooled
+
+
+def same_pool(recorded: str | None, found: str, what: str) -> str | None:
+    """Why runs made on the pool ``recorded`` cannot be mixed with, or evaluated on, the pool ``found``
+    (a pool rebuilt in a new checkout, on another CPU, is not bit-identical); None when they can."""
+    if recorded and recorded != found:
+        return (f"{what} was made on the pool whose adapters' sha256 is {recorded[:16]}…, this pool's is "
+                f"{found[:16]}…: use that pool (--pool DIR) or tune again into another --out")
+    return None
 
 
 def one(args, run, pooled, arm: str, value: float, seed: int, split: str) -> dict:
@@ -186,7 +197,9 @@ def report(results: dict) -> str:
              "", f"Made by `{results['command']}`, {results['date']}, under `{spec['file']}` committed at "
              f"{spec['commit'][:12]} before these runs: tuned on a validation split with seeds {spec['tuning_seeds']}, "
              f"evaluated on seeds {spec['evaluation_seeds']} (held-out test windows); margin {spec['margin']:+g} "
-             f"perplexity ({spec['kind']}, lower is better). Changes made after a result was seen: "
+             f"perplexity ({spec['kind']}, lower is better); pool adapters' sha256 "
+             f"{(spec['settings'].get('pool_sha256') or 'not recorded')[:16]}…, the same as the tuning's. "
+             "Changes made after a result was seen: "
              f"{'; '.join(spec.get('changes_after_results') or []) or 'none'}.", "",
              "| arm | tuned value | seeds | perplexity, round 0 (no training) | final perplexity | uplink B/client/round |",
              "|---|---|---:|---:|---:|---:|"]
@@ -222,11 +235,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in ["bench/smartfed_protocol.py", *(sys.argv[1:] if argv is None else argv)])
+    recorded = getattr(args, "pool_sha256", None)  # --protocol: the pool the protocol was tuned on
     run, pool_path, pooled = setup(args)
-    settings = {k: getattr(args, k) for k in SETTINGS}
+    settings = {k: getattr(args, k) for k in (*SETTINGS, "pool_sha256")}
     if args.tune:
         path = args.out / "tuning.json"
-        runs = json.loads(path.read_text())["runs"] if path.exists() else []
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        refusal = same_pool((earlier.get("settings") or {}).get("pool_sha256"), args.pool_sha256, str(path))
+        if refusal:
+            print(f"bench/smartfed_protocol.py --tune: refused: {refusal}", file=sys.stderr)
+            return 2
+        runs = earlier.get("runs", [])
         done = {(r["arm"], float(r["value"]), int(r["seed"])) for r in runs}
         jobs = [(a, v, s) for a in args.arms for v in args.grids[a] for s in args.seed_list if (a, v, s) not in done]
         for i, (arm, value, seed) in enumerate(jobs, 1):
@@ -241,6 +260,10 @@ def main(argv=None) -> int:
         log(f"protocol draft {args.out / 'protocol.json'}: " + (f"refused: {refusal}" if refusal else
             "passes; commit it, then run --protocol on it"))
         return 2 if refusal else 0
+    refusal = same_pool(recorded, args.pool_sha256, str(args.protocol))
+    if refusal:
+        print(f"bench/smartfed_protocol.py --protocol: refused: {refusal}", file=sys.stderr)
+        return 2
     spec = {**args.spec, "file": str(args.protocol), "commit": args.protocol_commit}
     runs = []
     for seed in spec["evaluation_seeds"]:

@@ -109,6 +109,18 @@ def test_add_list_and_split(backbone, adapters, tmp_path):
         reopened.load_experts("0" * 16)
 
 
+def test_weights_sha256_names_the_pool_a_comparison_ran_on(backbone, adapters, tmp_path):
+    """bench/smartfed_protocol.py records it at tuning and refuses another pool at evaluation."""
+    pool = Pool(tmp_path / "pool", backbone=backbone)
+    for name in ("math", "code"):
+        pool.add(adapters[name][0], {"source_run": f"runs/{name}", "task": "mmlu-stem"})
+    both, math = pool.weights_sha256(), pool.weights_sha256(["math"])
+    assert both == Pool(tmp_path / "pool").weights_sha256(["code", "math"]) and math != both
+    weights = tmp_path / "pool" / "math" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")  # one byte of one weight differs: another pool
+    assert pool.weights_sha256(["math"]) != math
+
+
 def test_foreign_adapter_is_refused(backbone, adapters, tmp_path):
     pool = Pool(tmp_path / "pool", backbone=backbone)
     foreign = LlamaForCausalLM(tiny_config(hidden=48))

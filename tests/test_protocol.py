@@ -342,6 +342,23 @@ def test_smartfed_protocol_refuses_unequal_budgets_and_an_uncommitted_protocol(t
     assert exit_.value.code == 2 and "commit the protocol before the evaluation runs" in capsys.readouterr().err
 
 
+def test_smartfed_protocol_refuses_runs_of_another_pool(tmp_path, monkeypatch, capsys):
+    """Tuning spans sessions and a new checkout rebuilds the pool (not bit-identical on another CPU): a tuning
+    resumed, or an evaluation, on a pool whose adapters' sha256 differs from the recorded one is refused."""
+    import smartfed_protocol as sp
+
+    def fake_setup(args):
+        args.pool_sha256 = "b" * 64
+        return [], tmp_path / "pool", []
+
+    monkeypatch.setattr(sp, "setup", fake_setup)
+    monkeypatch.setattr(sp, "one", lambda *a: pytest.fail("no run may start"))
+    (tmp_path / "tuning.json").write_text(json.dumps({"runs": [], "settings": {"pool_sha256": "a" * 64}}))
+    assert sp.main(["--tune", "--out", str(tmp_path)]) == 2
+    assert "was made on the pool whose adapters' sha256 is aaaaaaaaaaaaaaaa…" in capsys.readouterr().err
+    assert sp.same_pool(None, "b" * 64, "x") is None and sp.same_pool("b" * 64, "b" * 64, "x") is None
+
+
 def test_fedala_eta_picks_eta_on_validation_reports_the_weights_range_and_refuses_an_edge(tmp_path, monkeypatch):
     """bench/fedala_eta.py with the simulation replaced by made-up runs (metrics.jsonl as FedALA writes it):
     every η runs on the validation split, the weights' range is read from the clients' metrics, the best η

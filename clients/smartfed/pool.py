@@ -419,6 +419,15 @@ class Pool:
 
     # -- reading
 
+    def weights_sha256(self, adapters: Iterable[str] | None = None) -> str:
+        """One sha256 over the (given or all) adapters' names and weight files, in name order: which
+        pool a comparison ran on (a pool rebuilt on another CPU is not bit-identical)."""
+        digest = hashlib.sha256()
+        for name in self._adapters(adapters):
+            digest.update(name.encode() + b"\0")
+            digest.update((self.path / name / ADAPTER_WEIGHTS).read_bytes())
+        return digest.hexdigest()
+
     def provenance(self, name: str) -> dict:
         if name not in self:
             raise KeyError(f"the pool has no adapter '{name}' (it has {self.names()})")
