@@ -96,11 +96,18 @@ def one(args, eta: float, seed: int) -> dict:
             "run_dir": summary["run_dir"]}
 
 
+def commands_of(results: dict) -> list[str]:
+    """Every call that added runs, in order (a grid extended is another call); files of one call
+    record only ``command``."""
+    return results.get("commands") or [results["command"]]
+
+
 def report(results: dict) -> str:
     runs, entry = results["runs"], results["best"]
     metric = runs[0]["metric"]
     lines = [f"# FedALA's η on the validation split ({results['settings']['model']}, {results['settings']['task']})",
-             "", f"Made by `{results['command']}`, {results['date']}. Tuning seeds {results['settings']['seeds']}; "
+             "", "Made by " + "; then ".join(f"`{c}`" for c in commands_of(results)) + f", {results['date']} (each call "
+             f"ran the values it lacked). Tuning seeds {results['settings']['seeds']}; "
              f"{results['settings']['rounds']} rounds × {results['settings']['steps']} local steps, "
              f"{results['settings']['clients']} clients, LoRA lr {results['settings']['lr']:g}; validation "
              f"{metric} of the clients' ALA'd models after the last round "
@@ -132,15 +139,18 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in ["bench/fedala_eta.py", *(sys.argv[1:] if argv is None else argv)])
     path = args.out / "tuning.json"
-    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    runs = earlier.get("runs", [])
     done = {(float(r["eta"]), int(r["seed"])) for r in runs}
     jobs = [(eta, seed) for eta in args.grid for seed in args.seed_list if (eta, seed) not in done]
+    commands = (commands_of(earlier) if earlier else []) + ([command] if jobs else [])
     settings = {"model": args.model, "task": args.task, "rounds": args.rounds, "clients": args.clients,
                 "steps": args.steps, "lr": args.lr, "seeds": args.seed_list, "overrides": args.overrides}
     for i, (eta, seed) in enumerate(jobs, 1):
         log(f"[{i}/{len(jobs)}] η={eta:g}, seed {seed} (validation split)")
         runs.append(one(args, eta, seed))
-        path.write_text(json.dumps({"runs": runs, "settings": settings, "command": command}, indent=1) + "\n")
+        path.write_text(json.dumps({"runs": runs, "settings": settings, "command": command, "commands": commands},
+                                   indent=1) + "\n")
     scores: dict[float, list[float]] = {}
     for r in runs:
         scores.setdefault(float(r["eta"]), []).append(float(r["final_metric"]))
@@ -151,8 +161,8 @@ def main(argv=None) -> int:
         protocol.check_arm("fedala", entry)
     except protocol.ProtocolError as err:
         refusal = str(err)
-    results = {"command": command, "date": time.strftime("%Y-%m-%d"), "settings": settings, "runs": runs,
-               "best": entry, "refused": refusal}
+    results = {"command": command, "commands": commands or [command], "date": time.strftime("%Y-%m-%d"),
+               "settings": settings, "runs": runs, "best": entry, "refused": refusal}
     path.write_text(json.dumps(results, indent=1) + "\n")
     text = report(results)
     (args.out / "tuning.md").write_text(text)

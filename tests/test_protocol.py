@@ -398,5 +398,9 @@ def test_fedala_eta_picks_eta_on_validation_reports_the_weights_range_and_refuse
     text = (out / "tuning.md").read_text()
     assert "| **100** | 45.00 → **37.00** | -8.00 | 0.9000 / 0.9625 / 1.0000 | 0.9000 to 1.0000 |" in text
     assert "Best η: **100** (validation perplexity 37.00); inside the grid" in text
+    assert (f"Made by `bench/fedala_eta.py --eta-grid 1,10,100 --out {out}`; then "
+            f"`bench/fedala_eta.py --eta-grid 1,10,100,1000 --out {out}`") in text  # every call that added runs
+    assert fedala_eta.main(["--eta-grid", "1,10,100,1000", "--out", str(out)]) == 0  # nothing to add: not a call
+    assert len(json.loads((out / "tuning.json").read_text())["commands"]) == 2
     with pytest.raises(SystemExit):
         fedala_eta.main(["--eta-grid", "1,10", "--out", str(out)])  # two values cannot bracket a best
