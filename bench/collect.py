@@ -172,7 +172,8 @@ partition, the evaluation seeds, the margin, θ_pre's sha256); once it passes th
 committed, and `--protocol protocol.json` evaluates under it, refusing a file that is not
 committed as it is, and its report names that commit. For SmartFed, `bench/smartfed_protocol.py`
 does the same over four arms (SmartFed's tuned preset, FedAvg-LoRA in fp32, in int4 — the
-byte-matched baseline — and warm-started from the same pool, `algorithm.lora.init=pool`).
+byte-matched baseline — and warm-started from the same pool, `algorithm.lora.init=pool`), records
+the pool's sha256 and refuses another.
 FedALA's step size η, which left its weights at 1 in the MMLU comparison, is chosen the same way by
 `bench/fedala_eta.py` (validation split, a grid that must bracket the best, the weights' range reported).
 Reports made under the protocol say so in their first lines (the commit of their protocol
