@@ -165,7 +165,8 @@ def test_fedala_overrides_reach_fedala_only_and_its_weights_range_is_reported(tm
     assert runs["fedala"]["ala_weights"] == [{"round": 1, "min": 0.0, "mean": pytest.approx(0.9), "max": 1.0}]
     assert "algorithm.ala.eta=1000" in runs["fedala"]["overrides"]
     text = render_report(args, {"mmlu": runs}, "cmd")
-    assert "fedala's ALA weights after each round's ALA (algorithm.ala.max_batches=4" in text
+    assert ("fedala's ALA weights after each round's ALA (algorithm.ala.max_batches=8, "
+            "algorithm.ala.max_start_epochs=2, algorithm.ala.eta=1000)") in text  # the effective values
     assert "round 1: 0.0000 / 0.9000 / 1.0000" in text
     with pytest.raises(SystemExit) as stop:
         parse_args(["--fedala-overrides", "algorithm.ala.etta=1"])

@@ -69,7 +69,11 @@ def report(args, results: dict, command: str) -> str:
         lines.append("")
         for spec, r in mmlu.items():
             if r.get("ala_weights"):
-                settings = [o for o in r.get("overrides", []) if o.startswith("algorithm.ala.")]
+                settings = {}  # the effective value of each ALA key (a later override replaces the caps)
+                for o in r.get("overrides", []):
+                    if o.startswith("algorithm.ala."):
+                        settings[o.split("=", 1)[0]] = o
+                settings = list(settings.values())
                 lines += [f"{spec}'s ALA weights after each round's ALA ({', '.join(settings) or 'its defaults'}), "
                           "min / mean / max over the clients and elements: "
                           + "; ".join(f"round {w['round']}: {w['min']:.4f} / {w['mean']:.4f} / {w['max']:.4f}"
