@@ -96,18 +96,12 @@ def one(args, eta: float, seed: int) -> dict:
             "run_dir": summary["run_dir"]}
 
 
-def commands_of(results: dict) -> list[str]:
-    """Every call that added runs, in order (a grid extended is another call); files of one call
-    record only ``command``."""
-    return results.get("commands") or [results["command"]]
-
-
 def report(results: dict) -> str:
     runs, entry = results["runs"], results["best"]
     metric = runs[0]["metric"]
     lines = [f"# FedALA's η on the validation split ({results['settings']['model']}, {results['settings']['task']})",
-             "", "Made by " + "; then ".join(f"`{c}`" for c in commands_of(results)) + f", {results['date']} (each call "
-             f"ran the values it lacked). Tuning seeds {results['settings']['seeds']}; "
+             "", "Made by " + "; then ".join(f"`{c}`" for c in protocol.commands_of(results))
+             + f", {results['date']} (each call ran the values it lacked). Tuning seeds {results['settings']['seeds']}; "
              f"{results['settings']['rounds']} rounds × {results['settings']['steps']} local steps, "
              f"{results['settings']['clients']} clients, LoRA lr {results['settings']['lr']:g}; validation "
              f"{metric} of the clients' ALA'd models after the last round "
@@ -143,7 +137,7 @@ def main(argv=None) -> int:
     runs = earlier.get("runs", [])
     done = {(float(r["eta"]), int(r["seed"])) for r in runs}
     jobs = [(eta, seed) for eta in args.grid for seed in args.seed_list if (eta, seed) not in done]
-    commands = (commands_of(earlier) if earlier else []) + ([command] if jobs else [])
+    commands = protocol.commands_of(earlier) + ([command] if jobs else [])
     settings = {"model": args.model, "task": args.task, "rounds": args.rounds, "clients": args.clients,
                 "steps": args.steps, "lr": args.lr, "seeds": args.seed_list, "overrides": args.overrides}
     for i, (eta, seed) in enumerate(jobs, 1):

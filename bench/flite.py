@@ -283,7 +283,7 @@ def run_all(args) -> dict:
             raise SystemExit(f"bench/flite.py: {args.out / name} was made with other {', '.join(differ)}: "
                              "use another --out")
         results["runs"] = earlier["runs"]
-        results["commands"] = earlier.get("commands") or [c for c in [earlier.get("command")] if c]
+        results["commands"] = protocol.commands_of(earlier)
     lrs = (lambda m: args.grid[m]) if args.tune else (lambda m: [None])
     jobs = [(p, m, seed, lr) for p in args.partitions for m in args.methods for lr in lrs(m)
             for seed in seeds_of(args, m)]
@@ -536,7 +536,7 @@ def draft_protocol(results: dict, args) -> dict:
                      "overrides": [o for o in s["overrides"] if o != "task.eval_split=val"],
                      "base_sha256": (results.get("base") or {}).get("sha256")},
         "arms": arms, "changes_after_results": [],
-        "tuning_commands": list(results.get("commands") or [results.get("command")]),  # grids extended: later calls
+        "tuning_commands": protocol.commands_of(results),  # grids extended: later calls
     }
 
 

@@ -161,6 +161,12 @@ def arm_entry(scores: Mapping[float, Sequence[float]], key: str, *, higher_is_be
     return entry
 
 
+def commands_of(results: Mapping) -> list[str]:
+    """Every call that added runs to a tuning or an evaluation file, in order (a grid extended or a part
+    resumed is another call); files of one call record only ``command``."""
+    return list(results.get("commands") or [c for c in [results.get("command")] if c])
+
+
 def committed(path: Path) -> str:
     """The commit that last changed ``path``, refused when the file is not committed as it is now (an
     evaluation runs only under a protocol fixed in git beforehand, and its report names this commit)."""

@@ -250,11 +250,13 @@ def main(argv=None) -> int:
         runs = earlier.get("runs", [])
         done = {(r["arm"], float(r["value"]), int(r["seed"])) for r in runs}
         jobs = [(a, v, s) for a in args.arms for v in args.grids[a] for s in args.seed_list if (a, v, s) not in done]
+        commands = protocol.commands_of(earlier) + ([command] if jobs else [])  # every call that added runs
         for i, (arm, value, seed) in enumerate(jobs, 1):
             log(f"[{i}/{len(jobs)}] {arm} {ARMS[arm][2]}={value:g}, seed {seed} (validation split)")
             runs.append(one(args, run, pooled, arm, value, seed, "val"))
-            path.write_text(json.dumps({"runs": runs, "settings": settings, "command": command}, indent=1) + "\n")
-        spec = draft(runs, args, settings)
+            path.write_text(json.dumps({"runs": runs, "settings": settings, "command": command, "commands": commands},
+                                       indent=1) + "\n")
+        spec = {**draft(runs, args, settings), "tuning_commands": commands or protocol.commands_of(earlier)}
         refusal = protocol.write_draft(spec, args.out / "protocol.json")
         for arm, entry in spec["arms"].items():
             if not entry.get("no_training"):

@@ -359,6 +359,33 @@ def test_smartfed_protocol_refuses_runs_of_another_pool(tmp_path, monkeypatch, c
     assert sp.same_pool(None, "b" * 64, "x") is None and sp.same_pool("b" * 64, "b" * 64, "x") is None
 
 
+def test_smartfed_tuning_resumed_keeps_every_call_and_the_pool(tmp_path, monkeypatch):
+    """A tuning in parts (a session ends): the second call runs only what is missing, and tuning.json and
+    the draft name both calls and the pool's sha256."""
+    import smartfed_protocol as sp
+
+    def fake_setup(args):
+        args.pool_sha256 = "c" * 64
+        return [], tmp_path / "pool", []
+
+    finals = {1e-3: 33.0, 3e-3: 32.0, 1e-2: 32.5}
+    ran = []
+
+    def fake_one(args, run, pooled, arm, value, seed, split):
+        ran.append((arm, value))
+        return fake_smartfed_runs(split, [seed], {arm: {value: finals[value]}})[0]
+
+    monkeypatch.setattr(sp, "setup", fake_setup)
+    monkeypatch.setattr(sp, "one", fake_one)
+    out = ["--tune", "--out", str(tmp_path), "--arms", "fedavg-lora"]
+    assert sp.main([*out, "--grid", "fedavg-lora=1e-3,3e-3"]) == 2  # best at the edge: refused
+    assert sp.main([*out]) == 0 and ran[-1] == ("fedavg-lora", 1e-2) and len(ran) == 3
+    saved = json.loads((tmp_path / "tuning.json").read_text())
+    assert len(saved["commands"]) == 2 and saved["settings"]["pool_sha256"] == "c" * 64
+    spec = json.loads((tmp_path / "protocol.json").read_text())
+    assert spec["tuning_commands"] == saved["commands"] and spec["settings"]["pool_sha256"] == "c" * 64
+
+
 def test_fedala_eta_picks_eta_on_validation_reports_the_weights_range_and_refuses_an_edge(tmp_path, monkeypatch):
     """bench/fedala_eta.py with the simulation replaced by made-up runs (metrics.jsonl as FedALA writes it):
     every η runs on the validation split, the weights' range is read from the clients' metrics, the best η
