@@ -80,7 +80,7 @@ def parse_args(argv=None):
 
 
 def one(args, eta: float, seed: int) -> dict:
-    from fedapps.fedala import ala_weights_by_round
+    from fedapps.outputs import ala_weights_by_round
 
     runs_dir = (args.runs_dir or ROOT / "outputs" / "bench-fedala-eta").expanduser().resolve()
     items = [f"model={args.model}", f"task={args.task}", f"rounds={args.rounds}", f"num_clients={args.clients}",

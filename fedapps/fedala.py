@@ -121,22 +121,3 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
 
 
 METHOD = Method("fedala", prepare, train, evaluate, plan_server, restore)  # the global adapter
-
-
-def ala_weights_by_round(run_dir) -> list[dict]:
-    """The clients' ALA weights after each round's ALA, from a run folder's metrics (the ``ala-weight-*``
-    metrics of :func:`absorb_global`): min of the minima, mean of the means, max of the maxima (rounds
-    where no client ran ALA are left out). Read by the benchmarks that report whether the weights move."""
-    import statistics
-
-    from fedapps.outputs import read_metrics
-
-    rows = []
-    for record in read_metrics(run_dir):
-        clients = [c for c in record["clients"] if "eval_ala-weight-mean" in c]
-        if clients:
-            rows.append({"round": record["round"],
-                         "min": min(c.get("eval_ala-weight-min", c["eval_ala-weight-mean"]) for c in clients),
-                         "mean": statistics.fmean(c["eval_ala-weight-mean"] for c in clients),
-                         "max": max(c.get("eval_ala-weight-max", c["eval_ala-weight-mean"]) for c in clients)})
-    return rows

@@ -350,6 +350,23 @@ def mean_train_loss(record: dict) -> float:
     return sum(losses) / len(losses)
 
 
+def ala_weights_by_round(run_dir) -> list[dict]:
+    """The clients' ALA weights after each round's ALA, from a run folder's metrics (the ``ala-weight-*``
+    metrics of ``fedapps.fedala.absorb_global``): min of the minima, mean of the means, max of the maxima (rounds
+    where no client ran ALA are left out). Read by the benchmarks that report whether the weights move."""
+    import statistics
+
+    rows = []
+    for record in read_metrics(run_dir):
+        clients = [c for c in record["clients"] if "eval_ala-weight-mean" in c]
+        if clients:
+            rows.append({"round": record["round"],
+                         "min": min(c.get("eval_ala-weight-min", c["eval_ala-weight-mean"]) for c in clients),
+                         "mean": statistics.fmean(c["eval_ala-weight-mean"] for c in clients),
+                         "max": max(c.get("eval_ala-weight-max", c["eval_ala-weight-mean"]) for c in clients)})
+    return rows
+
+
 def bytes_curve(history: list[dict], metric: str) -> list[tuple[int, float, float]]:
     """(round, metric, cumulative uplink payload bytes per client) for every evaluated round:
     the bytes one client has sent so far (the mean over the round's senders, summed)."""

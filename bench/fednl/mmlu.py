@@ -50,7 +50,7 @@ def section_mmlu(args, out: Path, saved=None) -> dict:
             "overrides": overrides,  # the algorithm's own (its mode, caps, --fednl-/--fedala-overrides)
         }
         if name == "fedala":  # did its weights move (with η = 1 they did not: docs/fednl.md)
-            from fedapps.fedala import ala_weights_by_round
+            from fedapps.outputs import ala_weights_by_round
 
             results[spec]["ala_weights"] = ala_weights_by_round(summary["run_dir"])
         log(f"MMLU {spec}: average {results[spec]['average']:.3f}, uplink {results[spec]['uplink_bytes']:,.0f} B, "
