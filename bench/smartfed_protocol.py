@@ -3,7 +3,8 @@
     .venv/bin/python bench/smartfed_protocol.py --tune --seed-list 100 --out docs/bench/smartfed-protocol
     git add docs/bench/smartfed-protocol/protocol.json && git commit -m "SmartFed protocol"   # before evaluating
     .venv/bin/python bench/smartfed_protocol.py --protocol docs/bench/smartfed-protocol/protocol.json \\
-        --out docs/bench/smartfed-protocol                  # resumable: the same command reads finished runs
+        --out docs/bench/smartfed-protocol                  # in parts: the same command again keeps the runs
+                                                            # saved in OUT/protocol-report.json
     .venv/bin/python bench/smartfed_protocol.py --quick     # the tuning step on the tiny Llama, 2 rounds (minutes)
 
 The scenario is ``bench/onboarding.py``'s: a knowledge pool of LoRA adapters from other domains
@@ -195,8 +196,15 @@ def report(results: dict) -> str:
     by_arm: dict[str, dict[int, dict]] = {}
     for r in runs:
         by_arm.setdefault(r["arm"], {})[int(r["seed"])] = r
+    planned = results.get("runs_planned", len(runs))
+    calls = protocol.commands_of(results)
+    made = "; ".join(f"`{c}`" for c in calls) + (f" ({len(calls)} calls: an evaluation in parts)" if len(calls) > 1
+                                                 else "")
     lines = [f"# SmartFed vs its baselines under the protocol ({spec['settings']['model']}, {spec['settings']['task']})",
-             "", f"Made by `{results['command']}`, {results['date']}, under `{spec['file']}` committed at "
+             "", *([f"**Partial: {len(runs)} of {planned} runs so far** (every arm of a seed before the next seed; "
+                    "the same command resumes); the verdicts below are over the seeds done and are not final.", ""]
+                   if len(runs) < planned else []),
+             f"Made by {made}, {results['date']}, under `{spec['file']}` committed at "
              f"{spec['commit'][:12]} before these runs: tuned on a validation split with seeds {spec['tuning_seeds']}, "
              f"evaluated on seeds {spec['evaluation_seeds']} (held-out test windows); margin {spec['margin']:+g} "
              f"perplexity ({spec['kind']}, lower is better); pool adapters' sha256 "
@@ -269,15 +277,28 @@ def main(argv=None) -> int:
         print(f"bench/smartfed_protocol.py --protocol: refused: {refusal}", file=sys.stderr)
         return 2
     spec = {**args.spec, "file": str(args.protocol), "commit": args.protocol_commit}
-    runs = []
-    for seed in spec["evaluation_seeds"]:
-        for arm in args.arms:
-            value = next(iter(spec["arms"][arm]["best"].values()))
-            log(f"{arm} at {value:g}, seed {seed} (test split)")
-            runs.append(one(args, run, pooled, arm, float(value), int(seed), "test"))
-    results = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "protocol": spec, "runs": runs,
-               "pool": str(pool_path)}
-    (args.out / "protocol-report.json").write_text(json.dumps(results, indent=1) + "\n")
+    path = args.out / "protocol-report.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    if earlier and (earlier.get("protocol") or {}).get("commit") != spec["commit"]:
+        print(f"bench/smartfed_protocol.py --protocol: refused: {path} was made under the protocol committed at "
+              f"{str((earlier.get('protocol') or {}).get('commit'))[:12]}, not {spec['commit'][:12]}: use another "
+              "--out", file=sys.stderr)
+        return 2
+    runs = earlier.get("runs", [])  # an evaluation in parts (a session ends): the runs saved are kept
+    done = {(r["arm"], int(r["seed"])) for r in runs}
+    jobs = [(arm, int(seed)) for seed in spec["evaluation_seeds"] for arm in args.arms]  # every arm of a seed first
+    todo = [job for job in jobs if job not in done]
+    commands = protocol.commands_of(earlier) + ([command] if todo else [])
+    results = {"command": command, "commands": commands, "date": time.strftime("%Y-%m-%d %H:%M"), "protocol": spec,
+               "runs": runs, "runs_planned": len(jobs), "pool": str(pool_path)}
+    for i, (arm, seed) in enumerate(todo, 1):
+        value = next(iter(spec["arms"][arm]["best"].values()))
+        log(f"[{i}/{len(todo)}] {arm} at {value:g}, seed {seed} (test split)")
+        runs.append(one(args, run, pooled, arm, float(value), seed, "test"))
+        results["date"] = time.strftime("%Y-%m-%d %H:%M")
+        path.write_text(json.dumps(results, indent=1) + "\n")  # partial results survive the session
+        (args.out / "protocol-report.md").write_text(report(results))
+    path.write_text(json.dumps(results, indent=1) + "\n")
     text = report(results)
     (args.out / "protocol-report.md").write_text(text)
     print(text)

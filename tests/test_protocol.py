@@ -431,3 +431,56 @@ def test_fedala_eta_picks_eta_on_validation_reports_the_weights_range_and_refuse
     assert len(json.loads((out / "tuning.json").read_text())["commands"]) == 2
     with pytest.raises(SystemExit):
         fedala_eta.main(["--eta-grid", "1,10", "--out", str(out)])  # two values cannot bracket a best
+
+
+def test_smartfed_evaluation_in_parts_keeps_the_saved_runs_and_refuses_another_protocols(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The evaluation spans sessions (20 runs of 8-18 min): a call cut short leaves its finished runs in
+    protocol-report.json with a partial report; the same command runs only what is missing and names both
+    calls; a report made under another commit of the protocol is not extended."""
+    import argparse
+
+    import smartfed_protocol as sp
+
+    tuning = fake_smartfed_runs("val", [100], {"smartfed-tuned": {1e-3: 32.0, 3e-3: 30.5, 1e-2: 31.0},
+                                               "fedavg-lora": {1e-3: 31.3, 3e-3: 30.3, 1e-2: 30.9}})
+    spec = sp.draft(tuning, argparse.Namespace(evaluation_seeds=[45, 46], margin=0.0),
+                    {"model": "smollm2", "task": "shakespeare", "pool_sha256": "d" * 64})
+    (tmp_path / "protocol.json").write_text(json.dumps(spec))
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "protocol.json")
+    git(tmp_path, "commit", "-qm", "protocol")
+
+    def fake_setup(args):
+        args.pool_sha256 = "d" * 64
+        return [], tmp_path / "pool", []
+
+    ran = []
+
+    def fake_one(args, run, pooled, arm, value, seed, split):
+        if len(ran) == 3 and stop_after_three:
+            raise KeyboardInterrupt  # the session's end
+        ran.append((arm, seed))
+        return fake_smartfed_runs(split, [seed], {arm: {value: 30.0 if arm == "smartfed-tuned" else 31.0}})[0]
+
+    monkeypatch.setattr(sp, "setup", fake_setup)
+    monkeypatch.setattr(sp, "one", fake_one)
+    out = tmp_path / "out"
+    argv = ["--protocol", str(tmp_path / "protocol.json"), "--out", str(out)]
+    stop_after_three = True
+    with pytest.raises(KeyboardInterrupt):
+        sp.main(argv)
+    assert ran == [("smartfed-tuned", 45), ("fedavg-lora", 45), ("smartfed-tuned", 46)]  # every arm of a seed first
+    saved = json.loads((out / "protocol-report.json").read_text())
+    assert len(saved["runs"]) == 3 and saved["runs_planned"] == 4
+    assert "**Partial: 3 of 4 runs so far**" in (out / "protocol-report.md").read_text()
+    stop_after_three = False
+    assert sp.main(argv) == 0 and ran[3:] == [("fedavg-lora", 46)]  # only the missing run
+    text = (out / "protocol-report.md").read_text()
+    assert "Partial" not in text and "(2 calls: an evaluation in parts)" in text
+    assert "vs fedavg-lora: -1.00 perplexity over 2 seeds" in text
+    saved = json.loads((out / "protocol-report.json").read_text())
+    saved["protocol"]["commit"] = "e" * 40  # made under another commit of the protocol file
+    (out / "protocol-report.json").write_text(json.dumps(saved))
+    assert sp.main(argv) == 2 and len(ran) == 4
+    assert "was made under the protocol committed at eeeeeeeeeeee" in capsys.readouterr().err
