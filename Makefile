@@ -110,6 +110,8 @@ FEDNL_MMLU := --sections mmlu --paired --mmlu-test 700 --rounds 3 --local-steps 
 FEDNL_NIAH := --niah-rounds 3 --niah-steps 6 --niah-test-per-template 45 --lr 1e-3 --fednl-overrides "algorithm.lr.gate=0.2"
 FEDNL_LM := --sections lm,stream --stream-from lm --lm-window 32 --lm-seq 256 --lm-rounds 3 --lm-steps 10 --lr 1e-3 \
 	--fednl-overrides "algorithm.memory.gate_init_logit=-1 algorithm.lr.gate=0.05"
+# FedALA's η and ALA caps chosen on validation (bench/fedala_eta.py; docs/bench/fedala-eta/tuning.md)
+FEDALA_TUNED := algorithm.ala.eta=100000 algorithm.ala.max_batches=8 algorithm.ala.max_start_epochs=20
 SMARTFED_TUNED := algorithm.lr.experts=3e-3 algorithm.payload=int4 algorithm.budget_per_matrix=12 algorithm.downlink=int4 \
 	algorithm.top_k=4
 # the demo and every benchmark (2 CPU cores: ~12.5 h in all), then docs/benchmarks.md from their reports
@@ -153,7 +155,8 @@ bench: assets
 	$(PY) bench/smartfed.py --lr 3e-3 --memory-steps 0 \
 		--pool outputs/bench-smartfed/pool-smollm2 --runs-dir outputs/bench-smartfed-lr3 --out docs/bench/smartfed-lr3
 	$(PY) -m bench.fednl $(FEDNL_MMLU) --fednl-overrides "algorithm.lr.gate=0.05" \
-		--algorithms fednl:meta-rules,fedavg-lora,fednl:ablate,fedssi,fedala --out outputs/fednl-mmlu
+		--fedala-overrides "$(FEDALA_TUNED)" --algorithms fednl:meta-rules,fedavg-lora,fednl:ablate,fedssi,fedala \
+		--out outputs/fednl-mmlu
 	$(PY) -m bench.fednl $(FEDNL_NIAH) --sections niah --out outputs/fednl-niah
 	$(PY) -m bench.fednl $(FEDNL_LM) --out outputs/fednl-lm
 	$(PY) -m bench.fednl --sections throughput --throughput-steps 6 --throughput-chunks 32,128 --throughput-profile \
