@@ -15,7 +15,8 @@ the earlier tuned setting's ``docs/bench/onboarding-lr3-int4x12/`` and ``docs/be
 ``docs/bench/secagg/secagg.md`` (bench/secagg.py), ``docs/bench/privacy/privacy.md``
 (bench/privacy.py), ``docs/bench/channels/channels.md`` (bench/channels.py), ``docs/bench/overhead/overhead.md``
 and ``docs/bench/overhead-2nodes/overhead.md`` (bench/overhead.py), the FLITE protocol's
-``docs/bench/flite-protocol-fmnist/{iid,dirichlet}/flite.md``. Each report carries the
+``docs/bench/flite-protocol-fmnist/{iid,dirichlet}/flite.md`` and SmartFed's
+``docs/bench/smartfed-protocol/protocol-report.md`` (bench/smartfed_protocol.py). Each report carries the
 command that made it; this page adds the machine facts and the date it was collected,
 and says which report is missing.
 """
@@ -84,6 +85,11 @@ REPORTS = (
     ("SmartFed's earlier tuned setting (top_k 2) vs FedAvg-LoRA at lr 3e-3, 3 seeds",
      DOCS / "bench" / "onboarding-fair-lr3e-3" / "onboarding.md",
      "bench/onboarding.py --fedavg-lora-overrides train.lr=3e-3 ... (docs/smartfed.md)", None),
+    ("SmartFed under the protocol: tuned on validation, evaluated on other seeds",
+     DOCS / "bench" / "smartfed-protocol" / "protocol-report.md",
+     "bench/smartfed_protocol.py --tune --seed-list 100 --out docs/bench/smartfed-protocol (tuning.json), then "
+     "--protocol docs/bench/smartfed-protocol/protocol.json --out docs/bench/smartfed-protocol (in parts; "
+     "docs/smartfed.md)", None),
     ("Client memory of SmartFed's tuned setting", DOCS / "bench" / "lm_memory-tuned" / "lm_memory.md",
      "bench/lm_memory.py --methods smartfed --smartfed-overrides ... --seq-len 128 (see Makefile)", None),
     ("Uplink bytes of the baselines", DOCS / "bench" / "baseline_bytes.md", "bench/baseline_bytes.py", None),
