@@ -306,6 +306,7 @@ def test_smartfed_tuning_drafts_a_checked_protocol_and_the_report_judges_by_the_
     assert spec["arms"]["fedavg-lora"]["best"] == {"train.lr": 3e-3}
     assert spec["arms"]["smartfed-tuned"]["best"] == {"algorithm.lr.experts": 3e-3}
     assert spec["arms"]["round-0"]["no_training"] and spec["tuning_seeds"] == [100]
+    assert "screening about seven variants on seed 42" in spec["changes_after_results"][0]  # before the protocol
     edge = fake_smartfed_runs("val", [100], {"smartfed-tuned": {1e-3: 32.0, 3e-3: 30.5, 1e-2: 31.0},
                                              "fedavg-lora": {1e-3: 31.3, 3e-3: 30.3, 1e-2: 29.9}})
     with pytest.raises(ProtocolError, match="'fedavg-lora': its best train.lr = 0.01 sits at the edge"):
