@@ -299,17 +299,20 @@ def main(argv=None) -> int:
     commands = protocol.commands_of(earlier) + ([command] if todo else [])
     results = {"command": command, "commands": commands, "date": time.strftime("%Y-%m-%d %H:%M"), "protocol": spec,
                "runs": runs, "runs_planned": len(jobs), "pool": str(pool_path)}
+
+    def save() -> str:  # after every run: partial results survive the session
+        results["date"] = time.strftime("%Y-%m-%d %H:%M")
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        text = report(results)
+        (args.out / "protocol-report.md").write_text(text)
+        return text
+
     for i, (arm, seed) in enumerate(todo, 1):
         value = next(iter(spec["arms"][arm]["best"].values()))
         log(f"[{i}/{len(todo)}] {arm} at {value:g}, seed {seed} (test split)")
         runs.append(one(args, run, pooled, arm, float(value), seed, "test"))
-        results["date"] = time.strftime("%Y-%m-%d %H:%M")
-        path.write_text(json.dumps(results, indent=1) + "\n")  # partial results survive the session
-        (args.out / "protocol-report.md").write_text(report(results))
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    text = report(results)
-    (args.out / "protocol-report.md").write_text(text)
-    print(text)
+        save()
+    print(save())
     return 0
 
 
