@@ -39,6 +39,10 @@ import sys
 import time
 from pathlib import Path
 
+# numpy's OpenBLAS single-threaded (set before numpy loads): on 2026-12-06 a run's server thread spun for 11 min in
+# OpenBLAS's exec_blas (the pool warm start's B @ A, clients/smartfed/pool.py) with no BLAS worker thread left;
+# the server's numpy work is small and the clients train with torch: one BLAS thread is enough
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
