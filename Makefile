@@ -135,6 +135,9 @@ bench: assets
 	# under the evidence protocol: the committed protocol's evaluation (its θ_pre must be this machine's: else refused)
 	$(PY) bench/flite.py --protocol docs/bench/flite-protocol-fmnist/protocol-iid.json \
 		--out outputs/bench-flite-protocol-fmnist-iid --runs outputs/bench-flite-protocol-fmnist-eval
+	# SmartFed's committed protocol (20 runs, ~5.6 h; its pool must be the tuning's: else refused)
+	$(PY) bench/smartfed_protocol.py --protocol docs/bench/smartfed-protocol/protocol.json \
+		--out outputs/bench-smartfed-protocol-eval
 	$(PY) bench/wire_bytes.py
 	$(PY) bench/secagg.py
 	$(PY) bench/privacy.py
