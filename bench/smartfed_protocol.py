@@ -248,7 +248,8 @@ def report(results: dict) -> str:
         verdict = protocol.verdict(mean, interval, float(spec["margin"]), kind=spec["kind"], higher_is_better=False,
                                    no_training=untrained)
         span = f"95% interval {interval[0]:+.2f} to {interval[1]:+.2f}" if interval else "one seed: no interval"
-        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {len(paired)} seeds ({span}; SmartFed's round 0 "
+        seeds_done = f"{len(paired)} seed{'s' if len(paired) != 1 else ''}"
+        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {seeds_done} ({span}; SmartFed's round 0 "
                      f"{untrained:+.2f}): **{verdict}**")
     return "\n".join(lines) + "\n"
 
