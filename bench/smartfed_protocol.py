@@ -41,7 +41,9 @@ from pathlib import Path
 
 # numpy's OpenBLAS single-threaded (set before numpy loads): on 2026-12-06 a run's server thread spun for 11 min in
 # OpenBLAS's exec_blas (the pool warm start's B @ A, clients/smartfed/pool.py) with no BLAS worker thread left;
-# the server's numpy work is small and the clients train with torch: one BLAS thread is enough
+# the server's numpy work is small and the clients train with torch: one BLAS thread is enough. Since then every
+# server does this itself (fedapps.runner.numpy_blas_single_thread); kept here because the protocol's runs were
+# made with it, the clients' processes (which inherit it) included
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -27,6 +27,7 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import OmegaConf
+from threadpoolctl import ThreadpoolController
 
 from fedapps import checkpoint as ckpt
 from fedapps import registry
@@ -216,7 +217,29 @@ def _secure_train(rounds: _Rounds, strategy, server_round: int, messages) -> Non
     stages.finish(server_round, rounds.send(server_round, UNMASK, messages))
 
 
+def numpy_blas_single_thread():
+    """A context in which numpy's (and scipy's) OpenBLAS computes on the calling thread only.
+
+    The server's numpy work is aggregation: sums over a few clients' arrays, where a BLAS
+    thread pool gains nothing. Its pool has hung a simulated server for good: a ServerApp
+    thread spun in OpenBLAS's ``exec_blas`` (a SmartFed pool warm start's ``B @ A``) with no
+    worker thread left in the process (numpy 2.4.6, OpenBLAS 0.3.31; probably one of the
+    thread-pool deadlocks fixed in OpenBLAS releases up to 0.3.34, not proven). With one
+    thread there is no pool to wait on. torch's own BLAS and OpenMP are left alone (θ_pre's pretraining runs here).
+    scipy's OpenBLAS, another library, is loaded first so that the limit reaches it too
+    (the limit holds for the libraries loaded when it is set; a run's imports may load scipy's later)."""
+    import scipy.linalg  # noqa: F401  (loads scipy's OpenBLAS)
+
+    return ThreadpoolController().select(internal_api="openblas").limit(limits=1)
+
+
 def run_server(grid: Grid, cfg) -> dict:
+    """The whole server side of a run (module docstring), numpy's BLAS on one thread."""
+    with numpy_blas_single_thread():
+        return _run_server(grid, cfg)
+
+
+def _run_server(grid: Grid, cfg) -> dict:
     method = registry.get(cfg.algorithm.name)
     resume_dir, must_exist = ckpt.resume_folder(cfg)  # a bad resume request fails before any waiting
     if cfg.get("base") is not None and cfg.base.name == "public":  # θ_pre: trained here once (clients on this machine load it), else reused

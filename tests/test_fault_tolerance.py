@@ -250,6 +250,32 @@ def test_a_run_resumes_after_its_last_checkpoint(outputs):
     assert second["metric_by_round"]["1"] == first["metric_by_round"]["1"]  # round 1 kept, not redone
 
 
+def test_the_server_runs_numpy_blas_on_one_thread_and_gives_the_pool_back(tmp_path):
+    """A server thread once spun for good in OpenBLAS's thread pool (fedapps.runner.numpy_blas_single_thread):
+    while a run's server works, numpy's OpenBLAS has no pool to wait on; after it, the caller's setting is back."""
+    from threadpoolctl import ThreadpoolController
+
+    from fedapps.runner import run_server
+
+    def openblas_threads() -> list[int]:
+        return [lib.num_threads for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers]
+
+    seen: list[list[int]] = []
+
+    class WatchingGrid(FakeGrid):
+        def push_messages(self, messages):
+            seen.append(openblas_threads())
+            raise RuntimeError("stop here")
+
+    cfg = compose([f"output_dir={tmp_path}", "num_clients=3", "strategy.node_wait=1"], preset="test")
+    with ThreadpoolController().select(internal_api="openblas").limit(limits=2):
+        assert openblas_threads() and set(openblas_threads()) == {2}
+        with pytest.raises(RuntimeError, match="stop here"):
+            run_server(WatchingGrid(None), cfg)
+        assert seen and set(seen[0]) == {1}
+        assert set(openblas_threads()) == {2}
+
+
 def test_a_failed_run_is_marked_failed_and_one_that_cannot_start_leaves_no_folder(tmp_path):
     from fedapps.runner import run_server
     from fedapps.smartfed import SmartFedError
