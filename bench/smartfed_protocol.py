@@ -212,8 +212,9 @@ def report(results: dict) -> str:
         by_arm.setdefault(r["arm"], {})[int(r["seed"])] = r
     planned = results.get("runs_planned", len(runs))
     calls = protocol.commands_of(results)
-    made = "; ".join(f"`{c}`" for c in calls) + (f" ({len(calls)} calls: an evaluation in parts)" if len(calls) > 1
-                                                 else "")
+    distinct = list(dict.fromkeys(calls))  # a part resumed by the same command is named once
+    made = "; ".join(f"`{c}`" for c in distinct) + (f" ({len(calls)} calls: an evaluation in parts)" if len(calls) > 1
+                                                    else "")
     lines = [f"# SmartFed vs its baselines under the protocol ({spec['settings']['model']}, {spec['settings']['task']})",
              "", *([f"**Partial: {len(runs)} of {planned} runs so far** (every arm of a seed before the next seed; "
                     "the same command resumes); the verdicts below are over the seeds done and are not final.", ""]

@@ -479,6 +479,7 @@ def test_smartfed_evaluation_in_parts_keeps_the_saved_runs_and_refuses_another_p
     assert sp.main(argv) == 0 and ran[3:] == [("fedavg-lora", 46)]  # only the missing run
     text = (out / "protocol-report.md").read_text()
     assert "Partial" not in text and "(2 calls: an evaluation in parts)" in text
+    assert text.count("--protocol") == 1  # the same command resumed: named once
     assert "vs fedavg-lora: -1.00 perplexity over 2 seeds" in text
     saved = json.loads((out / "protocol-report.json").read_text())
     saved["protocol"]["commit"] = "e" * 40  # made under another commit of the protocol file
