@@ -252,8 +252,8 @@ def report(results: dict) -> str:
                                    no_training=untrained)
         span = f"95% interval {interval[0]:+.2f} to {interval[1]:+.2f}" if interval else "one seed: no interval"
         seeds_done = f"{len(paired)} seed{'s' if len(paired) != 1 else ''}"
-        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {seeds_done} ({span}; SmartFed's round 0 "
-                     f"{untrained:+.2f}): **{verdict}**")
+        lines.append(f"- vs {arm}: {mean:+.2f} perplexity over {seeds_done} ({span}; the no-training arm, SmartFed's "
+                     f"round 0 − this baseline's final: {untrained:+.2f}): **{verdict}**")
     return "\n".join(lines) + "\n"
 
 

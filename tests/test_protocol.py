@@ -325,7 +325,7 @@ def test_smartfed_tuning_drafts_a_checked_protocol_and_the_report_judges_by_the_
     text = sp.report({"command": "c", "date": "today", "runs": evaluation,
                       "protocol": {**spec, "file": "p.json", "commit": "f00d" * 10}})
     assert "vs fedavg-lora: -0.93 perplexity over 3 seeds (95% interval" in text
-    assert "SmartFed's round 0 -4.80): **uninformative**" in text
+    assert "SmartFed's round 0 − this baseline's final: -4.80): **uninformative**" in text
 
 
 def test_smartfed_protocol_refuses_unequal_budgets_and_an_uncommitted_protocol(tmp_path, capsys):
