@@ -71,7 +71,9 @@ def compose(overrides: Sequence[str] | str = (), *, conf_path: Sequence[str | Pa
         key = item.split("=", 1)[0].lstrip("+~")
         if key in GROUPS and "=" in item:
             _check_choice(key, item.split("=", 1)[1], conf_path)
-    _check_keys(items + [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS], overrides, conf_path)
+    group_items = items + [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS]
+    _check_keys(group_items, overrides, conf_path)
+    check_preset(group_items, conf_path)
     items.extend(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="postcard"):
@@ -93,6 +95,58 @@ def check_overrides(overrides: Sequence[str]) -> None:
                 _check_choice(key, choice)
             groups.append(f"{key}={value.split(',')[0]}")
     _check_keys(groups, overrides)
+    check_preset(groups)
+
+
+def _preset_file(name: str, conf_path: Sequence[str | Path] = ()) -> Path | None:
+    for folder in (CONF_DIR, *map(Path, conf_path)):
+        path = folder / "preset" / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def check_preset(group_items: Sequence[str], conf_path: Sequence[str | Path] = ()) -> None:
+    """Every key a preset sets exists in the config it composes to, so a misspelled key in a user's
+    preset (Hydra merges a config file's new keys without complaint) is refused, naming the file.
+    The known keys come from the group choices the run ends with: the preset's own
+    ``override /group: choice`` lines, under the caller's explicit choices (which win, as in Hydra)."""
+    choice = dict(item.lstrip("+~").split("=", 1) for item in group_items if "=" in item)
+    name = choice.get("preset", "none")
+    path = _preset_file(name, conf_path) if name not in ("", "none") else None
+    if path is None:
+        return
+    try:
+        body = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (OmegaConfBaseException, OSError, ValueError) as err:
+        raise ConfigError(f"preset '{name}' ({path}) does not parse: {str(err).splitlines()[0]}") from None
+    if not isinstance(body, dict):
+        raise ConfigError(f"preset '{name}' ({path}) must be a mapping of keys, got {type(body).__name__}")
+    groups = {}
+    for entry in body.pop("defaults", None) or []:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                group = str(key).replace("override", "").strip().lstrip("/")
+                if group in GROUPS and group != "preset":
+                    groups[group] = str(value)
+    groups.update({k: v for k, v in choice.items() if k in GROUPS and k != "preset" and v})
+    known = _known_keys(tuple(sorted(f"{k}={v}" for k, v in groups.items())), tuple(map(str, conf_path)))
+    inner = {k.rsplit(".", 1)[0] for k in known if "." in k}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            dotted = prefix + str(key)
+            if dotted.startswith("hydra"):
+                continue
+            if dotted not in known:
+                close = difflib.get_close_matches(dotted, sorted(known), n=2, cutoff=0.6)
+                hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+                    " (`postcard --cfg job` prints every key)"
+                raise ConfigError(f"preset '{name}' ({path}) sets unknown config key '{dotted}'{hint}")
+            if isinstance(value, dict) and dotted in inner:
+                walk(value, dotted + ".")
+
+    walk(body, "")
 
 
 @functools.lru_cache(maxsize=32)

@@ -244,3 +244,52 @@ def test_fednl_memory_layers_compose_and_bad_ones_fail_when_composed():
     for bad in ("algorithm.memory.layers=[]", "algorithm.memory.layers=[3,3]", "algorithm.memory.layers=[-1]"):
         with pytest.raises(ConfigError, match="layers"):
             compose(bad, algorithm="fednl")
+
+
+@pytest.mark.parametrize("preset", choices("preset"))
+def test_every_preset_reaches_the_server_as_the_cli_composes_it(preset):
+    """#60: through `flwr run .` the app's [tool.flwr.app.config] defaults are fused with --run-config
+    (Flower's own fusing) and the server composes that; a default there (once algorithm='fedavg-lora',
+    task='shakespeare') beat every preset's `override /algorithm` and `override /task`, so
+    `postcard preset=fednl-cpu` trained FedAvg-LoRA on Shakespeare. The server's config must be the
+    CLI's, key for key."""
+    from flwr.common.config import get_fused_config_from_dir, parse_config_args
+    from omegaconf import OmegaConf
+
+    fused = get_fused_config_from_dir(ROOT, parse_config_args([f"preset='{preset}'"]))
+    server = OmegaConf.to_container(compose_from_run_config(fused))
+    cli = OmegaConf.to_container(compose([f"preset={preset}"]))
+    assert server == cli
+    body = OmegaConf.load(ROOT / "conf" / "preset" / f"{preset}.yaml")
+    for entry in body.get("defaults", []):  # the method and task the preset names are the ones composed
+        for key, value in entry.items():
+            group = key.replace("override", "").strip().lstrip("/")
+            assert server[group]["name"] == value, (group, value)
+
+
+def test_the_documented_fednl_preset_composes_fednl_on_mmlu_in_postcard_cfg_job():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "postcard.cli", "preset=fednl-cpu", "rounds=1", "--cfg", "job"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from omegaconf import OmegaConf
+
+    printed = OmegaConf.create(out.stdout)
+    assert (printed.algorithm.name, printed.task.name, printed.rounds) == ("fednl", "mmlu", 1)
+
+
+def test_a_user_preset_with_an_unknown_key_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /task: instructions\n"
+        "rounds: 2\ntask:\n  prompt: 'Q: {question}'\ntrain:\n  lrr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"preset 'mine' \(.*mine.yaml\) sets unknown config key 'train.lrr'; "
+                                          r"did you mean 'train.lr'"):
+        compose(["preset=mine"], conf_path=[tmp_path])
+    # the same preset without the typo: the task it names, its keys applied
+    (tmp_path / "preset" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /task: instructions\nrounds: 2\n")
+    cfg = compose(["preset=mine"], conf_path=[tmp_path])
+    assert (cfg.task.name, cfg.rounds) == ("instructions", 2)
