@@ -47,6 +47,21 @@ def _check_numbers(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {'>' if kind is float else '>='} {low}, got {value!r}")
 
 
+def _check_sampling(cfg: DictConfig) -> None:
+    """``strategy.fraction_train/fraction_evaluate`` in (0, 1]; ``strategy.min_clients`` null or 1..num_clients."""
+    for key in ("fraction_train", "fraction_evaluate"):
+        value = cfg.strategy.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ConfigError(f"strategy.{key} must be a number in (0, 1] (the share of clients a round samples), "
+                              f"got {value!r}")
+    least, clients = cfg.strategy.get("min_clients"), cfg.get("num_clients") or cfg.task.get("default_clients")
+    if least is None:
+        return
+    if isinstance(least, bool) or not isinstance(least, int) or least < 1 or (clients and least > int(clients)):
+        raise ConfigError(f"strategy.min_clients must be null or an integer in 1..num_clients ({clients}), "
+                          f"got {least!r}")
+
+
 def _check_learning_rates(algorithm) -> None:
     """``algorithm.lr`` (a method's learning rates of its own, by parameter kind): each null or > 0."""
     rates = algorithm.get("lr")
@@ -69,6 +84,7 @@ def validate(cfg: DictConfig) -> None:
     name as ``model.name`` (:func:`_label_model`). The method's own settings are its record's ``check``."""
     method = _method(cfg)
     _check_numbers(cfg)
+    _check_sampling(cfg)
     kind = cfg.model.kind
     if cfg.task.kind in ("lm", "mcq") and kind != "causal_lm":
         raise ConfigError(f"task '{cfg.task.name}' needs a causal LM, but model '{cfg.model.name}' is {kind}")

@@ -15,6 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from strategies import codec
+from strategies.base import sample_size
 from strategies.privacy import Privacy, add_noise, clip_update
 
 if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's privacy from settings_of)
@@ -30,15 +31,13 @@ def settings_of(cfg) -> Privacy | None:
 
 
 def sample_rate(cfg) -> float:
-    """The fraction of the clients a round trains, as Flower samples them: ``max(⌊N·fraction_train⌋,
-    min_clients) / N`` — with ``min_clients: null`` (= N) every client, whatever ``fraction_train`` says."""
+    """The fraction of the clients a round trains, as Flower samples them:
+    ``strategies.base.sample_size`` (``max(⌊N·fraction_train⌋, min_clients or 2)``) / N."""
     fraction = float(cfg.strategy.fraction_train)
     clients = cfg.get("num_clients") or cfg.task.get("default_clients")
     if not clients:
         return fraction
-    clients = int(clients)
-    least = int(cfg.strategy.min_clients) if cfg.strategy.get("min_clients") else clients
-    return min(1.0, max(int(clients * fraction), least) / clients)
+    return sample_size(int(clients), fraction, cfg.strategy.get("min_clients")) / int(clients)
 
 
 def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayRecord:

@@ -99,6 +99,17 @@ class Step:
     latent: Array | None = None
 
 
+def sampling_minimum(num_clients: int, min_clients: int | None = None) -> int:
+    """The fewest clients a round samples: ``min_clients``, or by default Flower's 2 (1 for a lone client)."""
+    return int(min_clients) if min_clients else min(2, int(num_clients))
+
+
+def sample_size(num_clients: int, fraction: float, min_clients: int | None = None) -> int:
+    """Clients a round samples, as Flower's FedAvg does: ``max(⌊N·fraction⌋, minimum)``, at most N."""
+    return min(int(num_clients), max(int(int(num_clients) * float(fraction)), sampling_minimum(num_clients,
+                                                                                                  min_clients)))
+
+
 class PayloadFedAvg(FedAvg):
     """FedAvg over named fp32 tensors with Postcard's wire formats and accounting.
 
@@ -128,13 +139,14 @@ class PayloadFedAvg(FedAvg):
         channel: LatentChannel | None = None,
         server_optimizer: ServerOptimizer | None = None,
     ) -> None:
-        min_clients = num_clients if min_clients is None else int(min_clients)
+        least = sampling_minimum(num_clients, min_clients)
         super().__init__(
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
-            min_train_nodes=min_clients,
-            min_evaluate_nodes=min_clients,
-            min_available_nodes=min_clients,
+            min_train_nodes=least,
+            min_evaluate_nodes=least,
+            # every registered client connected before a round samples (the runner waits for them too)
+            min_available_nodes=num_clients if min_clients is None else least,
         )
         if downlink_format not in codec.FORMATS:
             raise ValueError(f"unknown downlink format '{downlink_format}'; choose one of {sorted(codec.FORMATS)}")

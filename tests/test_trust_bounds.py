@@ -54,12 +54,12 @@ def test_epsilon_is_accounted_at_the_rate_flower_really_samples():
 
     cfg = compose(["privacy.mode=central", "privacy.epsilon=8", "rounds=10", "num_clients=10",
                    "strategy.fraction_train=0.5"], preset="test")
-    assert cfg.strategy.min_clients is None  # Flower then samples max(5, 10) = every client
-    assert sample_rate(cfg) == 1.0
-    settings = settings_of(cfg)
-    assert settings.epsilon(10) == pytest.approx(8.0, rel=1e-3)  # the noise is calibrated for q = 1
-    cfg.strategy.min_clients = 5
+    assert cfg.strategy.min_clients is None  # Flower then samples max(⌊10·0.5⌋, 2) = 5 clients (#60: once all 10)
     assert sample_rate(cfg) == 0.5
+    settings = settings_of(cfg)
+    assert settings.epsilon(10) == pytest.approx(8.0, rel=1e-3)  # the noise is calibrated for q = 0.5
+    cfg.strategy.min_clients = 8  # a minimum above the fraction's count: that many a round
+    assert sample_rate(cfg) == 0.8
 
     # and whatever the plan said, a run that trains more nodes than planned records ε at that rate
     planned = Privacy(mode="central", clip=0.1, delta=1e-5, noise_multiplier=1.0, rounds=10, sample_rate=0.5)
@@ -177,3 +177,27 @@ def test_a_central_dp_server_records_the_norm_it_sees_and_nothing_the_client_rep
     norms = {c["node_id"]: c["update_norm"] for c in strat.round_record()["clients"].values()}
     assert norms == pytest.approx({1: 0.1 * D ** 0.5, 2: 0.2 * D ** 0.5})
     assert not [k for c in strat.round_record()["clients"].values() for k in c if k == "train_loss"]
+
+
+def test_fraction_train_samples_what_flowers_fedavg_samples_with_100_clients():
+    """#60: with 100 clients and fraction_train=0.1 every round sampled all 100 (min_clients: null meant all);
+    as Flower's FedAvg, a round samples max(⌊N·fraction⌋, minimum) = 10, a different 10 each round."""
+    cfg = compose(["num_clients=100", "strategy.fraction_train=0.1", "strategy.fraction_evaluate=0.05"], preset="test")
+    from fedapps.method import strategy_settings
+
+    kw = {k: v for k, v in strategy_settings(cfg, config_yaml="a: 1\n", on_round_end=None).items() if k in
+          ("num_clients", "min_clients", "fraction_train", "fraction_evaluate")}
+    strat = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", uplink="delta", **kw)
+    grid = Grid(range(1, 101))
+    first = push(strat.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    second = push(strat.configure_train(2, ArrayRecord(), ConfigRecord(), grid))
+    assert len(first) == len(second) == 10 and set(first) != set(second)
+    assert len(strat.configure_evaluate(1, ArrayRecord(), ConfigRecord(), grid)) == 5
+    # a fraction whose count falls below the minimum: Flower's 2 by default, or min_clients
+    few = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", uplink="delta",
+                        num_clients=10, fraction_train=0.01)
+    assert len(few.configure_train(1, ArrayRecord(), ConfigRecord(), Grid(range(1, 11)))) == 2
+    with pytest.raises(Exception, match=r"strategy.fraction_train must be a number in \(0, 1\]"):
+        compose(["strategy.fraction_train=0"], preset="test")
+    with pytest.raises(Exception, match=r"strategy.min_clients must be null or an integer in 1..num_clients \(2\)"):
+        compose(["strategy.min_clients=3"], preset="test")
