@@ -193,13 +193,21 @@ def _check_passkey_task(cfg: DictConfig) -> None:
 
 def _check_text_task(cfg: DictConfig) -> None:
     """``kind: text`` (``task=text``, ``task=instructions``: clients.tasks.local): the settings, and that
-    ``task.path`` names data, before any client starts (its fields are checked when a client reads it)."""
+    ``task.path``'s data are readable and enough for every client (``clients.tasks.local.check_data``),
+    before any client starts."""
     task = cfg.task
     if task.kind != "text":
         return
     from clients.tasks.base import TaskError
-    from clients.tasks.local import FORMATS, METRICS, SAMPLE_BY, data_files
+    from clients.tasks.local import FORMATS, METRICS, SAMPLE_BY, TEMPLATE_KEYS, check_data, read_template_file
 
+    if task.get("template_file"):  # its templates replace the keys (the config sent to clients carries them)
+        try:
+            templates = read_template_file(task.template_file)
+        except TaskError as err:
+            raise ConfigError(str(err)) from None
+        for key in TEMPLATE_KEYS:
+            task[key] = templates.get(key)
     if cfg.model.kind != "causal_lm":
         raise ConfigError(f"task '{task.name}' needs a causal LM, but model '{cfg.model.name}' is {cfg.model.kind}")
     instructions = task.get("prompt") is not None
@@ -228,7 +236,7 @@ def _check_text_task(cfg: DictConfig) -> None:
             raise ConfigError(f"task.{key} must be {'null or ' if key != 'default_clients' else ''}an integer "
                               f">= {low}, got {value!r}")
     try:
-        data_files(task.get("path"), str(task.format))
+        check_data(cfg)  # syntax, encoding, fields, every client's share: refused here, not by a client later
     except TaskError as err:
         raise ConfigError(str(err)) from None
 

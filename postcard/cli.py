@@ -3,7 +3,7 @@
     postcard algorithm=fedprox task=mmlu rounds=2            # one run
     postcard -m algorithm=fedavg-lora,fedprox,ffa-lora        # a sweep, then one table
     postcard -m train.lr=1e-4,1e-3 preset=test                # a sweep over any key: a column per key
-    postcard --cfg job                                        # check and print the composed config
+    postcard --cfg job                                        # check and print the composed config (as the server runs it)
     postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
     postcard convert --gguf FILE --out DIR                    # a GGUF causal LM as a HF checkpoint (model=hf model.path=DIR)
     postcard pretrain task=cifar10                            # θ_pre for base=public (a task-pretrained base)
@@ -108,6 +108,14 @@ def _drop_empty(folder: Path) -> None:
         pass
 
 
+def _cfg_job(args: list[str]) -> bool:
+    """``--cfg job`` (or ``-c job``, ``--cfg=job``) without Hydra's ``--package``/``--resolve`` options."""
+    for i, arg in enumerate(args):
+        if arg == "--cfg=job" or (arg in ("--cfg", "-c") and args[i + 1:i + 2] == ["job"]):
+            return not any(a.startswith(("--package", "-p", "--resolve")) for a in args)
+    return False
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "pool":  # SmartFed's knowledge pool
         from postcard.pool import main as pool_main
@@ -148,7 +156,12 @@ def main() -> None:
         check_overrides(overrides)
         multirun = any(arg in ("-m", "--multirun") for arg in args)
         if not multirun and any(arg in ("--cfg", "-c") or arg.startswith("--cfg=") for arg in args):
-            compose(overrides)
+            composed = compose(overrides)
+            if _cfg_job(args):  # what the server runs: checked and derived (templates, wire settings), resolved
+                from fedapps.config import to_yaml
+
+                print(to_yaml(composed), end="")
+                return
     except ConfigError as err:
         print(f"postcard: {err}", file=sys.stderr)
         raise SystemExit(2) from None

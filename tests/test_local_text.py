@@ -45,7 +45,9 @@ def jsonl(folder, rows=ROWS, name="data.jsonl"):
 
 def cfg_for(path, *more, task="text"):
     group = [] if any(m.startswith("task.group=") for m in more) else ["task.group=null"]  # ROWS have no genre
-    return compose([f"task.path={path}", *group, *more], task=task, preset="test")
+    # one client unless told: compose checks every client's share (#60) and these tests make clients of their own
+    clients = [] if any(m.startswith("num_clients=") for m in more) else ["num_clients=1"]
+    return compose([f"task.path={path}", *group, *clients, *more], task=task, preset="test")
 
 
 # --------------------------------------------------------------------------- formats
@@ -178,20 +180,59 @@ def test_errors_are_one_line_and_name_the_fix(tmp_path, tok):
     cases = {"task.text='{body}'": "task.text names field 'body'.*their fields: answer, author, id, mood",
              "task.group=writer": "task.group names field 'writer'",
              "task.label=tone": "task.label names field 'tone'"}
-    for override, message in cases.items():
-        with pytest.raises(TaskError, match=message) as err:
-            make_task(cfg_for(path, override, "partition=dirichlet" if "label" in override else "partition=natural"),
-                      0, 2, tok)
+    for override, message in cases.items():  # refused where the run is composed (#60: once by each client)
+        with pytest.raises(ConfigError, match=message) as err:
+            cfg_for(path, override, "partition=dirichlet" if "label" in override else "partition=natural")
         assert "\n" not in str(err.value)
     with pytest.raises(TaskError, match=r"client 3 of 4 \(partition=natural\): the natural split has 3 groups") as err:
         make_task(cfg_for(path, "task.group=author"), 3, 4, tok)
     assert "\n" not in str(err.value)
     with pytest.raises(TaskError, match=r"client 1 of 2 \(partition=natural\): a client got 1 example"):
         make_task(cfg_for(jsonl(tmp_path / "two", ROWS[:3]), "task.group=author"), 1, 2, tok)
-    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{not json\n')
-    with pytest.raises(TaskError, match="cannot read .*bad.jsonl as json") as err:
-        make_task(cfg_for(tmp_path / "bad.jsonl", "task.group=null"), 0, 1, tok)
-    assert "\n" not in str(err.value)
+
+
+
+# --------------------------------------------------------------------------- #60: data refused where the run is composed
+def test_bad_data_is_refused_when_composed_naming_file_row_and_fix(tmp_path):
+    """Once each of these failed on the clients a minute later in hundreds of lines (and a row missing its
+    field silently became an empty example): now compose refuses it in one line naming file, row and fix."""
+    cases = {
+        "bad.jsonl": ('{"text": "a b"}\n{not json\n', r"bad.jsonl, line 2: not valid JSON .*fix or delete that line"),
+        "list.jsonl": ('{"text": "a b"}\n[1, 2]\n', r"list.jsonl, line 2: a JSON list, not an object"),
+        "empty.jsonl": ("\n\n", r"empty.jsonl is empty"),
+        "latin.jsonl": ('{"text": "caf\u00e9"}\n'.encode("latin-1"), r"latin.jsonl, line 1: not UTF-8 \(byte 0xe9\); "
+                                                                   r"re-save the file as UTF-8, e.g. `iconv"),
+        "hole.jsonl": ('{"text": "a b", "author": "x"}\n{"author": "y"}\n', r"hole.jsonl, row 2: field 'text' is "
+                                                                           r"missing or null \(task.text needs it\)"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ConfigError, match=message) as err:
+            cfg_for(path)
+        assert "\n" not in str(err.value) and str(path) in str(err.value)
+    path = jsonl(tmp_path / "ok")
+    with pytest.raises(ConfigError, match="task.group names field 'genre', which the rows of .* lack"):
+        cfg_for(path, "task.group=genre")
+    with pytest.raises(ConfigError, match=r"client 0 of 4 \(partition=natural\): the natural split has 3 groups "
+                                          r".*use fewer clients or partition=iid/dirichlet"):
+        cfg_for(path, "task.group=author", "num_clients=4")
+    # instructions: a row without its response field
+    rows = [dict(r) for r in ROWS]
+    del rows[7]["answer"]
+    with pytest.raises(ConfigError, match=r"data.jsonl, row 8: field 'answer' is missing or null \(task.response needs it\)"):
+        cfg_for(jsonl(tmp_path / "ins", rows), "task.prompt='{question}'", "task.response=' {answer}'",
+                task="instructions")
+
+
+def test_a_row_without_its_field_never_becomes_an_empty_example(tmp_path, tok):
+    """The client's own check (what compose's scan guards): a row missing a template's field raises."""
+    cfg = cfg_for(jsonl(tmp_path))
+    rows = [dict(r) for r in ROWS]
+    rows[0]["text"] = None
+    jsonl(tmp_path, rows)
+    with pytest.raises(TaskError, match="has no value for field 'text' \\(task.text needs it\\)"):
+        make_task(cfg, 0, 1, tok)
 
 
 def test_a_missing_path_is_refused_before_submitting(tmp_path, capsys):
@@ -219,3 +260,42 @@ def test_every_method_trains_a_round_on_local_instructions(algorithm, tmp_path):
     assert strategy.round_record()["accepted"] == 2, strategy.round_record()["refused"]
     metrics = evaluate_round(cfg, strategy, 1, nodes)
     assert 0.0 <= metrics["accuracy"] <= 1.0 and math.isfinite(metrics["loss"]), metrics
+
+
+def test_readmes_own_data_commands_compose_as_written(tmp_path):
+    """#60: README's template example did not parse (Hydra's grammar); both its commands, split as a shell
+    splits them (the data path made real), compose to the templates they name; a template file keeps
+    newlines."""
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    block = (root / "README.md").read_text().split("## Your own data", 1)[1].split("```bash", 1)[1].split("```")[0]
+    commands = [line for line in block.splitlines() if "/abs/qa.csv" in line]
+    assert len(commands) == 2
+    csv = tmp_path / "qa.csv"
+    csv.write_text("question,answer,source\n" + "".join(f"what is {i},{i % 3},s{i % 2}\n" for i in range(40)))
+    (tmp_path / "templates.yaml").write_text('prompt: "Q: {question}\\nA:"\nresponse: " {answer}"\n')
+    printed = []
+    for command in commands:
+        args = [a.replace("/abs/qa.csv", str(csv)).replace("/abs/templates.yaml", str(tmp_path / "templates.yaml"))
+                for a in shlex.split(command)[1:]]
+        out = subprocess.run([sys.executable, "-m", "postcard.cli", *args, "num_clients=2", "--cfg", "job"],
+                             cwd=root, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        from omegaconf import OmegaConf
+
+        printed.append(OmegaConf.create(out.stdout).task)
+    assert (printed[0].prompt, printed[0].response) == ("Q: {question}", " {answer}")
+    assert (printed[1].prompt, printed[1].response) == ("Q: {question}\nA:", " {answer}")
+    # through `overrides='...'` (flwr run, postcard.app_run) a template file needs no quoting either
+    from fedapps.config import compose_from_run_config
+
+    cfg = compose_from_run_config({"task": "instructions", "overrides": f"task.path={csv} task.group=source num_clients=2 "
+                                                                        f"task.template_file={tmp_path}/templates.yaml"})
+    assert cfg.task.prompt == "Q: {question}\nA:"
+    (tmp_path / "bad.yaml").write_text("prompt: [1, 2]\n")
+    with pytest.raises(ConfigError, match="task.template_file .*bad.yaml must map text, or prompt and response"):
+        cfg_for(csv, f"task.template_file={tmp_path}/bad.yaml", task="instructions")

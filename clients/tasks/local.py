@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import math
 import string
 from pathlib import Path
@@ -131,6 +132,127 @@ def template_fields(template: str) -> list[str]:
     return [field for _, field, _, _ in string.Formatter().parse(template) if field]
 
 
+def templates_of(task) -> dict[str, str]:
+    """The task's templates by key: ``prompt`` and ``response`` (instructions) or ``text``."""
+    if task.get("prompt") is not None:
+        return {"prompt": str(task.get("prompt")), "response": str(task.get("response"))}
+    return {"text": str(task.get("text") or "{text}")}
+
+
+TEMPLATE_KEYS = ("text", "prompt", "response")
+
+
+def read_template_file(path) -> dict[str, str]:
+    """``task.template_file``: a YAML mapping of ``text`` or ``prompt`` and ``response`` to templates, so a
+    template with quotes, colons, braces or newlines needs no quoting on the command line."""
+    import yaml
+
+    where = resolve_path(path)
+    if isinstance(where, str) or not where.is_file():
+        raise TaskError(f"task.template_file '{path}' is not a file (relative paths are read from {APP_ROOT})")
+    try:
+        body = yaml.safe_load(where.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise TaskError(f"task.template_file {where} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(body, dict) or not body or set(body) - set(TEMPLATE_KEYS) or \
+            not all(isinstance(v, str) for v in body.values()):
+        raise TaskError(f"task.template_file {where} must map text, or prompt and response, to template strings "
+                        f"(e.g. prompt: \"Q: {{question}}\\n\"), got {body!r:.120}")
+    return body
+
+
+# --------------------------------------------------------------------------- checks before a run
+def scan_file(fmt: str, path: Path) -> None:
+    """What ``datasets`` reports late and badly, found in one pass over a text-based file: an empty file,
+    bytes that are not UTF-8, a JSON line that does not parse or is not an object; a TaskError naming
+    the file, the line and the fix."""
+    if fmt not in ("json", "csv", "text"):
+        return
+    data = path.read_bytes()
+    if not data.strip():
+        raise TaskError(f"{path} is empty: give it rows, or point task.path elsewhere")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise TaskError(f"{path}, line {line}: not UTF-8 (byte 0x{data[err.start]:02x}); re-save the file as "
+                        f"UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}`") from None
+    if fmt != "json":
+        return
+    if text.lstrip().startswith("["):  # one JSON array
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            raise TaskError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TaskError(f"{path}, line {number}: not valid JSON ({err.msg}, column {err.colno}); fix or "
+                            "delete that line (JSON Lines: one object per line)") from None
+        if not isinstance(value, dict):
+            raise TaskError(f"{path}, line {number}: a JSON {type(value).__name__}, not an object with fields "
+                            "(JSON Lines: one object per line)")
+
+
+def check_data(cfg) -> None:
+    """The data a ``kind: text`` run will read, checked once where the run is composed, so a bad file is
+    refused in one line before anything starts: syntax and encoding (:func:`scan_file`), every field the
+    templates, ``task.group`` and ``task.label`` name present in every row, and every client's share
+    (partition, held-out split) possible. Raises TaskError naming the file, the row and the fix."""
+    task = cfg.task
+    fmt, files = data_files(task.get("path"), str(task.get("format") or "auto"))
+    for path in files:
+        scan_file(fmt, path)
+    rows, sources = read_rows(task)
+    line = {}  # a row's number within its file (1-based), for messages
+    seen: dict[str, int] = {}
+    for i, source in enumerate(sources):
+        seen[source] = line[i] = seen.get(source, 0) + 1
+    fields = sorted(rows[0])
+    needed = [(f"task.{key}", field) for key, template in templates_of(task).items() for field in
+              template_fields(template)]
+    needed += [(f"task.{key}", task.get(key)) for key in ("group", "label") if task.get(key)]
+    for key, field in needed:
+        if field not in rows[0]:
+            raise TaskError(f"{key} names field '{field}', which the rows of {task.path} lack; their fields: "
+                            f"{', '.join(fields)}")
+        for i, row in enumerate(rows):
+            if row.get(field) is None:
+                where = next((str(f) for f in files if f.stem == sources[i]), sources[i])
+                raise TaskError(f"{where}, row {line[i]}: field '{field}' is missing or null ({key} needs it); "
+                                "fill it in or drop the row")
+    clients = int(cfg.get("num_clients") or task.default_clients)
+    for partition_id in range(clients):
+        client_rows(cfg, rows, sources, partition_id, clients)
+
+
+def client_rows(cfg, rows, sources, partition_id: int, num_partitions: int):
+    """One client's rows of ``rows``: ``(train, held-out, groups)`` — its training and held-out row
+    indices and the natural groups its rows come from (``task.group``'s values, or file names)."""
+    task = cfg.task
+    fields = sorted(rows[0])
+    groups = LocalTextTask._column(rows, sources, task.get("group"), "group", fields)
+    labels = LocalTextTask._column(rows, sources, task.get("label"), "label", fields) if task.get("label") else groups
+    cap = task.get("max_examples")
+    keep = np.arange(len(rows))
+    if cap and len(rows) > int(cap):
+        keep = np.sort(np.random.default_rng(int(cfg.seed)).choice(len(rows), int(cap), replace=False))
+    by = labels if str(cfg.partition.name) == "dirichlet" else groups
+    part = [by[i] for i in keep]
+    try:
+        mine = keep[partition_for(cfg, part, num_partitions=num_partitions, partition_id=partition_id,
+                                  natural_order=list(dict.fromkeys(part)))]
+        train_rows, test_rows = held_out_split(mine, task, seed=int(cfg.seed) + partition_id)
+    except (PartitionError, TaskError) as err:
+        raise TaskError(f"task '{task.name}', client {partition_id} of {num_partitions} "
+                        f"(partition={cfg.partition.name}): {err}") from None
+    return train_rows, test_rows, sorted({groups[i] for i in mine})
+
+
 # --------------------------------------------------------------------------- the task
 class LocalTextTask(Task):
     """One client's share of a local text dataset (module docstring)."""
@@ -146,33 +268,18 @@ class LocalTextTask(Task):
         if self.chat and not getattr(tokenizer, "chat_template", None):
             raise TaskError(f"task.chat=true, but the tokenizer of model '{cfg.model.name}' has no chat template")
         self.tokenizer = tokenizer
+        self.path = task.get("path")
         self.logit_chunk = int(cfg.train.get("logit_chunk", 256) or 0)
         self.max_length = int(task.get("max_length") or cfg.train.seq_len) + 1  # tokens in, labels shifted by one
         rows, sources = read_rows(task)
         fields = sorted(rows[0])
-        templates = {"prompt": task.get("prompt"), "response": task.get("response")} if self.instructions \
-            else {"text": task.get("text") or "{text}"}
+        templates = templates_of(task)
         for key, template in templates.items():
-            for field in template_fields(str(template)):
+            for field in template_fields(template):
                 if field not in rows[0]:
                     raise TaskError(f"task.{key} names field '{field}', which the rows of {task.path} lack; their "
                                     f"fields: {', '.join(fields)}")
-        groups = self._column(rows, sources, task.get("group"), "group", fields)
-        labels = self._column(rows, sources, task.get("label"), "label", fields) if task.get("label") else groups
-        cap = task.get("max_examples")
-        keep = np.arange(len(rows))
-        if cap and len(rows) > int(cap):
-            keep = np.sort(np.random.default_rng(int(cfg.seed)).choice(len(rows), int(cap), replace=False))
-        by = labels if str(cfg.partition.name) == "dirichlet" else groups
-        part = [by[i] for i in keep]
-        try:
-            mine = keep[partition_for(cfg, part, num_partitions=num_partitions, partition_id=partition_id,
-                                      natural_order=list(dict.fromkeys(part)))]
-            train_rows, test_rows = held_out_split(mine, task, seed=int(cfg.seed) + partition_id)
-        except PartitionError as err:
-            raise TaskError(f"task '{task.name}', client {partition_id} of {num_partitions} "
-                            f"(partition={cfg.partition.name}): {err}") from None
-        self.groups = sorted({groups[i] for i in mine})
+        train_rows, test_rows, self.groups = client_rows(cfg, rows, sources, partition_id, num_partitions)
         self.examples: list[tuple[torch.Tensor, int]] = []  # (token ids, tokens masked out of the loss)
         train = self._encode(rows, train_rows, templates)
         test = self._encode(rows, test_rows, templates)
@@ -190,8 +297,12 @@ class LocalTextTask(Task):
         return [str(row.get(field)) for row in rows]
 
     def _render(self, row: dict, templates: dict) -> dict[str, str]:
-        values = {key: str(template).format(**{k: "" if v is None else v for k, v in row.items()})
-                  for key, template in templates.items()}
+        for key, template in templates.items():
+            for field in template_fields(template):
+                if row.get(field) is None:  # an empty example would train on nothing, silently
+                    raise TaskError(f"a row of {self.path} has no value for field '{field}' (task.{key} needs it); "
+                                    "fill it in or drop the row")
+        values = {key: template.format(**row) for key, template in templates.items()}
         if self.instructions and self.chat:
             user = [{"role": "user", "content": values["prompt"]}]
             prompt = self.tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
