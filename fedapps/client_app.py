@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import time
 
-from flwr.app import Context, Message
+from logging import ERROR
+
+from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.common.constant import ErrorCode
 
 from clients.assets import force_offline
 from clients.train import progress_label
 from fedapps import privacy, registry, secure
+from fedapps.errors import NODE_ERRORS
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
 from strategies import packing
@@ -40,7 +45,20 @@ def transport_packing(msg: Message, context: Context, call_next) -> Message:
     return out
 
 
-app = ClientApp(mods=[transport_packing])
+def one_line_errors(msg: Message, context: Context, call_next) -> Message:
+    """A Flower mod: a user's error found on the node (``fedapps.errors.NODE_ERRORS``: its data, model files or
+    settings) becomes an error reply of one line, logged once on the node, so the server's log and
+    ``summary.json`` say it in one line instead of a Ray traceback. Any other exception (a bug) keeps
+    its traceback (Flower reports it)."""
+    try:
+        return call_next(msg, context)
+    except NODE_ERRORS as err:
+        reason = " ".join(f"{type(err).__name__}: {err}".split())
+        log(ERROR, "node %s: %s", context.node_id, reason)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+
+app = ClientApp(mods=[one_line_errors, transport_packing])
 
 
 def _call(msg: Message, context: Context):

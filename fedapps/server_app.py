@@ -14,21 +14,16 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from clients.adapters import AdapterError
-from clients.assets import AssetMissing
-from clients.models.llm import ModelError
-from clients.models.weights import CheckpointError
-from clients.partition import PartitionError
-from clients.tasks.base import TaskError
-from fedapps.checkpoint import ResumeError
 from fedapps import registry
-from fedapps.config import ConfigError, compose_from_run_config
+from fedapps.checkpoint import ResumeError
+from fedapps.config import compose_from_run_config
+from fedapps.errors import NODE_ERRORS
 from fedapps.runner import NoReplies, ServerSetupError, run_server
+from strategies.screening import ClientsFailed
 
 # errors whose message says what to change: logged in one line, without a traceback (and each method's own:
-# its record's ``errors``, see user_errors)
-USER_ERRORS = (ConfigError, ServerSetupError, NoReplies, ResumeError, PartitionError, TaskError, AssetMissing,
-               AdapterError, ModelError, CheckpointError)
+# its record's ``errors``, see user_errors); ClientsFailed carries the clients' own one-line reason
+USER_ERRORS = (*NODE_ERRORS, ServerSetupError, NoReplies, ResumeError, ClientsFailed)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

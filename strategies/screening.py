@@ -13,6 +13,8 @@ values are the strategy's to check next. Nothing here raises on what a client se
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import WARNING
@@ -96,11 +98,23 @@ def has_error(msg: Message) -> bool:
         return True
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def error_reason(msg: Message) -> str:
+    """A client's error in one line, without colour codes: Postcard's own client says it in one line
+    already; for a traceback relayed by Flower (Ray's ``ClientAppException``) its last ``Message:`` or its
+    last line, capped at 500 characters (the whole text stays in the client's log)."""
     try:
-        return str(msg.error.reason)
+        text = ANSI.sub("", str(msg.error.reason))
     except Exception:  # noqa: BLE001
         return "an unreadable error"
+    if "Message:" in text:
+        text = text.rsplit("Message:", 1)[1]
+    elif "\n" in text.strip():
+        text = [line for line in text.strip().splitlines() if line.strip()][-1]
+    text = " ".join(text.split()).strip("'\"<> ")
+    return text[:500] + ("…" if len(text) > 500 else "")
 
 
 def identity_problem(msg: Message, sent: Mapping[str, Message], seen_nodes: set[int]) -> str | None:
