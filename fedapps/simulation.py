@@ -39,7 +39,7 @@ def ray_init_args(total_cpus: float | None = None) -> dict:
     machine (``address='local'``), unless ``RAY_ADDRESS`` names a cluster to join. Without
     it ``ray.init`` joins any cluster another process started here (a ``ray start``, a
     test's ``Cluster``) and refuses our ``num_cpus``: the run crashed, and then hung."""
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS", "local") != "local":
         return {"include_dashboard": False}  # the cluster's own resources
     return {"address": "local", "num_cpus": total_cpus or os.cpu_count() or 2, "include_dashboard": False}
 

@@ -49,11 +49,18 @@ def local_ports(home: str | Path) -> tuple[int, int]:
 
 
 def local_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with its FLWR_HOME's own local SuperLink ports (unless the ports are set already)."""
+    """``env`` with its FLWR_HOME's own local SuperLink ports (unless the ports are set already), and a
+    simulation that starts a Ray instance of its own (``RAY_ADDRESS=local``) unless ``RAY_ADDRESS`` names
+    a cluster: without it Ray joins the newest cluster another process started on this machine, where
+    one run failed ("ActorPool is empty") and the next hung. Ray's FutureWarning on every start is
+    answered as it asks (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0``)."""
     out = dict(env)
     http, control = local_ports(flwr_home(out))
     out.setdefault(HTTP_PORT_VAR, str(http))
     out.setdefault(CONTROL_PORT_VAR, str(control))
+    if not out.get("RAY_ADDRESS"):
+        out["RAY_ADDRESS"] = "local"
+    out.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     return out
 
 
@@ -120,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     home = Path(rest[0]).expanduser().resolve() if rest else flwr_home()
     http, control = local_ports(home)
     if command == "env":
-        print(f"export FLWR_HOME={shlex.quote(str(home))} {HTTP_PORT_VAR}={http} {CONTROL_PORT_VAR}={control}")
+        ray = local_env({**os.environ, "FLWR_HOME": str(home)})
+        print(f"export FLWR_HOME={shlex.quote(str(home))} {HTTP_PORT_VAR}={http} {CONTROL_PORT_VAR}={control} "
+              f"RAY_ADDRESS={shlex.quote(ray['RAY_ADDRESS'])} "
+              f"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO={ray['RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO']}")
     elif command == "status":
         pids = running(home)
         print(f"local SuperLink of {home} (ports {http}/{control}): "

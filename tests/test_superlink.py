@@ -22,11 +22,13 @@ def test_ports_are_a_pair_of_their_own_per_flwr_home(tmp_path):
     assert env[superlink.HTTP_PORT_VAR] == "41000"
 
 
-def test_the_env_command_prints_exports_for_a_shell(tmp_path, capsys):
+def test_the_env_command_prints_exports_for_a_shell(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert superlink.main(["env", str(tmp_path)]) == 0
     http, control = superlink.local_ports(tmp_path)
     assert capsys.readouterr().out.strip() == (f"export FLWR_HOME={tmp_path.resolve()} "
-                                               f"{superlink.HTTP_PORT_VAR}={http} {superlink.CONTROL_PORT_VAR}={control}")
+                                               f"{superlink.HTTP_PORT_VAR}={http} {superlink.CONTROL_PORT_VAR}={control} "
+                                               "RAY_ADDRESS=local RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0")
     assert superlink.main(["start"]) == 2  # not a command
 
 
