@@ -157,7 +157,13 @@ def save_adapter(model, cfg, global_state: dict[str, np.ndarray], run_dir) -> di
     for config in model.peft_config.values():
         config.base_model_name_or_path = base
     target = run_dir / "adapter"
-    model.save_pretrained(str(target))
+    # the vocabulary is never resized here: PEFT's "auto" would look the base up on the hub (offline: a
+    # warning that asks nothing of the user); embeddings are saved when LoRA targets them, as "auto" does
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    targets = [config.target_modules for config in model.peft_config.values()]  # names, or one regex string
+    embeddings = any(name in (t if isinstance(t, str) else set(t or ())) for t in targets for name in EMBEDDING_LAYER_NAMES)
+    model.save_pretrained(str(target), save_embedding_layers=embeddings)
     return {"final_state": str(target)}
 
 

@@ -48,11 +48,13 @@ def _check_numbers(cfg: DictConfig) -> None:
 
 
 def _check_sampling(cfg: DictConfig) -> None:
-    """``strategy.fraction_train/fraction_evaluate`` in (0, 1]; ``strategy.min_clients`` null or 1..num_clients."""
-    for key in ("fraction_train", "fraction_evaluate"):
+    """``strategy.fraction_train`` in (0, 1], ``fraction_evaluate`` in [0, 1] (0: no federated evaluation);
+    ``strategy.min_clients`` null or 1..num_clients."""
+    for key, low in (("fraction_train", "("), ("fraction_evaluate", "[")):  # evaluation 0: none (Flower's rule)
         value = cfg.strategy.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ConfigError(f"strategy.{key} must be a number in (0, 1] (the share of clients a round samples), "
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1 or
+                                                                                   (low == "[" and value == 0)):
+            raise ConfigError(f"strategy.{key} must be a number in {low}0, 1] (the share of clients a round samples), "
                               f"got {value!r}")
     least, clients = cfg.strategy.get("min_clients"), cfg.get("num_clients") or cfg.task.get("default_clients")
     if least is None:

@@ -109,8 +109,9 @@ def _preset_file(name: str, conf_path: Sequence[str | Path] = ()) -> Path | None
 def check_preset(group_items: Sequence[str], conf_path: Sequence[str | Path] = ()) -> None:
     """Every key a preset sets exists in the config it composes to, so a misspelled key in a user's
     preset (Hydra merges a config file's new keys without complaint) is refused, naming the file.
-    The known keys come from the group choices the run ends with: the preset's own
-    ``override /group: choice`` lines, under the caller's explicit choices (which win, as in Hydra)."""
+    The known keys come from the preset as written: its own ``override /group: choice`` lines over the
+    defaults (a caller's explicit choice still wins in the run, as in Hydra: ``preset=fednl-niah-paper
+    algorithm=fedala`` keeps the preset's FedNL-only keys, unused)."""
     choice = dict(item.lstrip("+~").split("=", 1) for item in group_items if "=" in item)
     name = choice.get("preset", "none")
     path = _preset_file(name, conf_path) if name not in ("", "none") else None
@@ -129,7 +130,6 @@ def check_preset(group_items: Sequence[str], conf_path: Sequence[str | Path] = (
                 group = str(key).replace("override", "").strip().lstrip("/")
                 if group in GROUPS and group != "preset":
                     groups[group] = str(value)
-    groups.update({k: v for k, v in choice.items() if k in GROUPS and k != "preset" and v})
     known = _known_keys(tuple(sorted(f"{k}={v}" for k, v in groups.items())), tuple(map(str, conf_path)))
     inner = {k.rsplit(".", 1)[0] for k in known if "." in k}
 

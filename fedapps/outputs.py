@@ -204,20 +204,25 @@ def summarize(cfg, history: list[dict]) -> dict:
 
 
 def run_title(cfg) -> str:
-    """A run's identity for its plots: ``algorithm · model · task`` (+ the partition when not natural)."""
+    """A run's identity for its plots: ``algorithm · model · task · partition=… · rounds=… · seed=…``."""
     parts = [str(cfg.algorithm.name), str(cfg.model.name), str(cfg.task.name)]
     partition = str(OmegaConf.select(cfg, "partition.name") or "natural")
-    return " · ".join(parts + ([f"partition={partition}"] if partition != "natural" else []))
+    return " · ".join(parts + [f"partition={partition}", f"rounds={cfg.rounds}", f"seed={cfg.seed}"])
 
 
 def run_figure(history: list[dict], metric: str, title: str = ""):
     """The figure of ``metrics.png`` (None without an evaluated round): metric vs round (integer
-    ticks) and metric vs cumulative uplink bytes per client, under the run's ``title``."""
+    ticks) and metric vs cumulative uplink bytes per client, under the run's ``title``.
+
+    The bytes panel is drawn as :func:`draw_curves` draws a comparison's: every point a marker,
+    round 0 (nothing sent yet) hollow at the first round's bytes, rather than at 0 on a log axis;
+    the axis is logarithmic when the bytes span a decade or more, else linear (one round, or a few
+    of the same size: a log axis within one decade has no tick, or labels that overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     curve = bytes_curve(history, metric)
     if not curve:
@@ -227,9 +232,20 @@ def run_figure(history: list[dict], metric: str, title: str = ""):
     axes[0].plot(rounds, values, marker="o")
     axes[0].set(xlabel="round", ylabel=metric, title=f"{metric} vs round")
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no 0.5 ticks
-    axes[1].plot(cumulative, values, marker="o")
-    axes[1].set(xlabel="cumulative uplink bytes per client", ylabel=metric, title=f"{metric} vs bytes sent")
-    axes[1].set_xscale("symlog")
+    sent = [(b, v) for b, v in zip(cumulative, values) if b > 0]
+    start = [v for b, v in zip(cumulative, values) if b == 0][:1]
+    if sent:
+        xs, ys = zip(*sent)
+        line, = axes[1].plot(xs, ys, marker="o")
+        if start:  # round 0, before any upload
+            axes[1].plot([xs[0]], start, marker="o", mfc="none", color=line.get_color())
+        if max(xs) >= 10 * min(xs):
+            axes[1].set_xscale("log")
+        else:
+            axes[1].xaxis.set_major_locator(MaxNLocator(nbins=4))
+            axes[1].xaxis.set_major_formatter(EngFormatter(unit="B"))
+    axes[1].set(xlabel="cumulative uplink bytes per client", ylabel=metric,
+                title=f"{metric} vs bytes sent" + (" (hollow: round 0)" if start and sent else ""))
     for ax in axes:
         ax.grid(alpha=0.3)
     if title:

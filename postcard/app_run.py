@@ -136,18 +136,25 @@ def resume_refusal(cfg, relative: bool = False) -> str | None:
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour and cursor codes (Flower colours its log levels)
 
 
+# Flower's lines that ask nothing of a Postcard user: the simulation's note on its default federation size
+# and how to change it (Postcard passes num-supernodes = num_clients on every run)
+NOISE = re.compile(r"Since flwr 1\.32, default simulated SuperNodes changed|To change federation size, use the "
+                   r"following command|flwr federation simulation-config ")
+
+
 def stream_logs(command: list[str], *, env, cwd=None, out=None) -> int:
-    """Run ``command`` (``flwr log --stream``), its output relayed to ``out`` (stdout) line by line:
-    as it is on a terminal, without ANSI colour codes when ``out`` is a pipe or a file (a log that
-    is read later) or ``NO_COLOR`` is set."""
+    """Run ``command`` (``flwr log --stream``), its output relayed to ``out`` (stdout) line by line,
+    less :data:`NOISE`: with Flower's colours on a terminal, without ANSI colour codes when ``out`` is a
+    pipe or a file (a log that is read later) or ``NO_COLOR`` is set."""
     out = sys.stdout if out is None else out
     tty = hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR")
-    if tty:
-        return subprocess.run(command, env=env, cwd=cwd).returncode
     with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace", bufsize=1) as proc:
         for line in proc.stdout:
-            out.write(ANSI.sub("", line))
+            plain = ANSI.sub("", line)
+            if NOISE.search(plain):
+                continue
+            out.write(line if tty else plain)
             out.flush()
     return proc.returncode
 

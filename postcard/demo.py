@@ -26,7 +26,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,8 +104,8 @@ def ensure_pool(args, demo_folder: Path) -> None:
 
 def flwr_run(args, method: str, folder: Path) -> dict:
     """``flwr run .`` of one method (streamed to the console); its summary.json."""
+    from postcard.app_run import stream_logs
     from postcard.deploy import flower_env
-
     from postcard.superlink import SuperLinkBusy, check_free
 
     env = flower_env()  # this venv first on PATH (`flwr run` starts `flower-superlink` from there), own ports
@@ -124,12 +123,12 @@ def flwr_run(args, method: str, folder: Path) -> dict:
                f"num-supernodes={args.clients} client-resources-num-cpus=1", "--run-config", run_config]
     print("$ " + " ".join(shlex.quote(c) for c in command), flush=True)
     start = time.time()
-    proc = subprocess.run(command, cwd=ROOT, env=env)
+    returncode = stream_logs(command, env=env, cwd=ROOT)  # less Flower's lines that ask nothing of the user
     seconds = time.time() - start
     summary_path = folder / method / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    if proc.returncode != 0 or summary.get("status") != "completed":  # `flwr run --stream` exits 0 either way
-        reason = summary.get("error") or f"exit {proc.returncode}"
+    if returncode != 0 or summary.get("status") != "completed":  # `flwr run --stream` exits 0 either way
+        reason = summary.get("error") or f"exit {returncode}"
         raise SystemExit(f"demo: `flwr run` of {method} failed ({reason}); see its log above")
     summary["wall_seconds"] = round(seconds, 1)  # the whole `flwr run`, as the user waited for it
     return summary

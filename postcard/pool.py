@@ -23,7 +23,9 @@ message on stderr for anything that cannot be done.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -139,6 +141,59 @@ def compose_source(spec: dict, name: str, overrides: list[str]):
     return cfg
 
 
+def _not_the_run_simulation_banner(record) -> bool:
+    """A filter of Flower's logger: False for its "DEPRECATED FEATURE" banner on ``run_simulation``."""
+    return not (str(record.msg).lstrip().startswith("DEPRECATED FEATURE") and "`run_simulation`" in record.getMessage())
+
+
+class _Uncoloured:
+    """A text stream that drops ANSI colour and cursor codes from what is written to it."""
+
+    def __init__(self, stream) -> None:
+        from postcard.app_run import ANSI
+
+        self._stream, self._ansi = stream, ANSI
+
+    def write(self, text: str) -> int:
+        return self._stream.write(self._ansi.sub("", text))
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def simulation_output():
+    """What ``pool build`` shows of its in-process simulations (``fedapps.simulation.simulate``, which
+    calls Flower's ``run_simulation``; runs users start go through ``flwr run``): never Flower's banner
+    that ``run_simulation`` is deprecated, and, when stdout or stderr is not a terminal (a log file,
+    a pipe) or ``NO_COLOR`` is set, no ANSI colour codes — Flower's log levels uncoloured, and the
+    lines Ray relays from the simulated clients stripped (as ``postcard.app_run`` relays `flwr run`'s)."""
+    from flwr.common.logger import FLOWER_LOGGER, ConsoleHandler
+
+    tty = all(hasattr(s, "isatty") and s.isatty() for s in (sys.stdout, sys.stderr))
+    plain = not tty or bool(os.environ.get("NO_COLOR"))
+    handlers = [h for h in FLOWER_LOGGER.handlers if isinstance(h, ConsoleHandler)]
+    colored = [h.colored for h in handlers]
+    streams = sys.stdout, sys.stderr
+    FLOWER_LOGGER.addFilter(_not_the_run_simulation_banner)
+    if plain:
+        for handler in handlers:
+            handler.colored = False
+        sys.stdout, sys.stderr = _Uncoloured(sys.stdout), _Uncoloured(sys.stderr)
+    try:
+        yield
+    finally:
+        FLOWER_LOGGER.removeFilter(_not_the_run_simulation_banner)
+        if plain:
+            sys.stdout, sys.stderr = streams
+            for handler, was in zip(handlers, colored):
+                handler.colored = was
+
+
 # ---------------------------------------------------------------------------- commands
 def build(
     sources: list[str] | None = None,
@@ -166,7 +221,8 @@ def build(
             continue
         print(f"== pool source '{name}': {cfg.algorithm.name} on {cfg.task.name} "
               f"({data['sources'][name].get('description', '')}), {cfg.rounds} round(s)")
-        summary = simulate(cfg)
+        with simulation_output():
+            summary = simulate(cfg)
         run_dir = Path(summary["run_dir"])
         provenance = _provenance(cfg, run_dir, summary, source=name,
                                  description=data["sources"][name].get("description"))

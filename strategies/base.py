@@ -484,10 +484,19 @@ class PayloadFedAvg(FedAvg):
 
     def _bound(self, nodes: list[int], payloads: list, weights: list[int]) -> tuple[list, list[int]]:
         """Cap the example counts and clip the update norms of the accepted replies (recorded); with
-        differential privacy, uniform weights and every update clipped to ``privacy.clip`` again."""
+        differential privacy, uniform weights and every update clipped to ``privacy.clip`` again.
+
+        Each bounded reply is recorded in the round's ``bounded`` list (``metrics.jsonl``) with its
+        detail; the log gets one line per round (:meth:`RoundLedger.log_bounded`). It is INFO while every
+        bounded reply is within ``robust.FAR_COUNT`` (10) × the count it was capped at and
+        ``robust.FAR_NORM`` (4) × the norm it was clipped to — the default bounds acting on
+        honest-looking replies, as they do in most rounds (with ``examples_multiple: 1`` every count
+        above the lower median is capped) — and a WARNING naming the replies beyond that. The privacy
+        clip is the mechanism itself, applied to every update whatever its size: INFO."""
         if self.privacy is not None:
             # central: the server's own clip is what the guarantee rests on (a client's counts for nothing);
             # local: each update is already noised, and clipping it again would only shrink the noise's signal
+            clipped = 0
             for i, node in enumerate(nodes):
                 norm = self.update_norm(payloads[i]) if self.privacy.mode == "central" else 0.0
                 if self.privacy.mode == "central":  # the server's own measure of what it sees (a trusted server)
@@ -496,19 +505,39 @@ class PayloadFedAvg(FedAvg):
                     payloads[i] = self.scale_update(payloads[i], self.privacy.clip / norm)
                     if norm > 1.01 * self.privacy.clip:  # beyond an int4 payload's rounding of a clipped update
                         self.ledger.bound(node, "dp-clipped", f"update norm {norm:.4g} clipped to {self.privacy.clip:g}")
+                        clipped += 1
+            effects = [f"update norms clipped to privacy.clip {self.privacy.clip:g} ({clipped})"] if clipped else []
+            self.ledger.log_bounded(len(nodes), effects, [])
             return payloads, [1] * len(payloads)
         settings = self.robustness
+        effects, hostile = [], []
         capped = robust.cap_weights(weights, settings)
-        for node, before, after in zip(nodes, weights, capped):
-            if after != before:
-                self.ledger.bound(node, "examples-capped", f"num-examples {before} counted as {after}")
+        counted = [(node, before, after) for node, before, after in zip(nodes, weights, capped) if after != before]
+        for node, before, after in counted:
+            detail = f"num-examples {before} counted as {after}"
+            self.ledger.bound(node, "examples-capped", detail)
+            if before > robust.FAR_COUNT * after:
+                hostile.append(f"node {node}: {detail}")
+        if counted:  # one cap for the round: examples_multiple x the lower median, or max_examples
+            effects.append(f"example counts capped at {counted[0][2]} ({len(counted)})")
         if settings.clips:
             norms = [self.update_norm(p) for p in payloads]
             scales = robust.clip_scales(norms, settings)
+            clipped = 0
             for i, (node, norm, factor) in enumerate(zip(nodes, norms, scales)):
                 if factor < 1.0:
                     payloads[i] = self.scale_update(payloads[i], factor)
-                    self.ledger.bound(node, "norm-clipped", f"update norm {norm:.4g} clipped to {norm * factor:.4g}")
+                    detail = f"update norm {norm:.4g} clipped to {norm * factor:.4g}"
+                    self.ledger.bound(node, "norm-clipped", detail)
+                    clipped += 1
+                    if factor * robust.FAR_NORM < 1.0:
+                        hostile.append(f"node {node}: {detail}")
+            if clipped:
+                bound = robust.clip_bound(norms, settings)
+                to = (f"{settings.norm_multiple:g}x the lower median, {bound:.4g}" if settings.norm_clip == "median"
+                      else f"robust.norm_clip {bound:g}")
+                effects.append(f"update norms clipped to {to} ({clipped})")
+        self.ledger.log_bounded(len(nodes), effects, hostile)
         return payloads, capped
 
     # ------------------------------------------------------------------ the aggregation pipeline

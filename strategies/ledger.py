@@ -12,15 +12,17 @@ training, or a secure round's first stage) and closed once the round is evaluate
 * ``excluded``: each node excluded from the rest of the run;
 * whatever a strategy adds (``accepted``, ``privacy``, ``secure``, a method's own entries).
 
-Every entry is logged as it is made; :meth:`RoundLedger.finish` appends the record to
-``history`` and hands it to ``on_round_end`` (the run folder's writer).
+Every entry is logged as it is made, except ``bounded``: each is in the record, and the round's
+bounded replies are logged in one summary line (:meth:`RoundLedger.log_bounded`, at INFO unless a
+reply was far outside its bound); :meth:`RoundLedger.finish` appends the record to ``history`` and
+hands it to ``on_round_end`` (the run folder's writer).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.common.logger import log
@@ -63,10 +65,25 @@ class RoundLedger:
                                         "phase": phase, "kind": kind, "reason": reason})
 
     def bound(self, node_id: int, kind: str, detail: str) -> None:
-        """A reply whose influence was bounded (``examples-capped``, ``norm-clipped``, ``dp-clipped``)."""
-        log(WARNING, "round %s: node %s: %s", self.round, node_id, detail)
+        """A reply whose influence was bounded (``examples-capped``, ``norm-clipped``, ``dp-clipped``):
+        recorded here, logged in the round's one line of :meth:`log_bounded`."""
         self.current["bounded"].append({"node_id": int(node_id), "round": self.round, "kind": kind,
                                         "detail": detail})
+
+    def log_bounded(self, replies: int, effects: list[str], hostile: list[str]) -> None:
+        """The round's one log line on the replies it bounded (none: no line), e.g. ``round 3: 4 of 10
+        replies bounded: example counts capped at 214 (3), update norms clipped to 1.5x the lower
+        median, 0.012 (1)``. ``effects``: each bound applied, with how many replies it bounded;
+        ``hostile``: the details of the replies far outside their bound. INFO when there are none (the
+        bounds acting on honest-looking replies, as they do every round); WARNING naming them otherwise."""
+        if not effects:
+            return
+        bounded = len({entry["node_id"] for entry in self.current["bounded"]})
+        line = f"round {self.round}: {bounded} of {replies} replies bounded: {', '.join(effects)}"
+        if hostile:
+            log(WARNING, "%s; far outside the bound (hostile-looking): %s", line, "; ".join(hostile))
+        else:
+            log(INFO, "%s", line)
 
     def missing(self, node_id: int, phase: str, reason: str) -> None:
         """A node that was sent a message and gave no reply."""

@@ -108,6 +108,15 @@ def lower_median(values: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+# What the one log line of a round's bounded replies calls far outside the bound (a WARNING; within it,
+# the bounds are acting on honest-looking replies, an INFO line): a ``num-examples`` more than FAR_COUNT x
+# the count it was capped at (honest partitions differ that much from the lower median: a Dirichlet(0.5)
+# split or the natural one reaches 4-10x), an update norm more than FAR_NORM x the norm it was clipped to
+# (6x the lower median at ``norm_multiple: 1.5``; one round's honest updates are within a few x).
+FAR_COUNT = 10.0
+FAR_NORM = 4.0
+
+
 def cap_weights(weights: Sequence[int], settings: Robustness) -> list[int]:
     """Each ``num-examples`` capped at ``examples_multiple`` × the lower median (and ``max_examples``)."""
     capped = [int(w) for w in weights]

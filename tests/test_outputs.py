@@ -183,15 +183,18 @@ def test_postcard_generate_evaluate_export_refuse_a_folder_without_a_final_model
 
 
 def test_metrics_png_has_integer_round_ticks_and_the_runs_identity_in_its_title(tmp_path):
-    """Two rounds used to get ticks at 0, 0.25, ..., 2; the title says which run the plot is of."""
+    """Two rounds used to get ticks at 0, 0.25, ..., 2; the title says which run the plot is of: its
+    method, model, task, partition, rounds and seed (#60: the partition, rounds and seed were missing)."""
     import matplotlib.pyplot as plt
 
     from fedapps.config import compose
     from fedapps.outputs import RunDir, read_metrics, run_figure, run_title
 
-    cfg = compose([f"output_dir={tmp_path}", "run_name=plotted"], algorithm="flite", preset="test")
-    assert run_title(cfg) == "flite · tiny-llama · shakespeare"
-    assert run_title(compose(["partition=iid"], preset="test")) == "fedavg-lora · tiny-llama · shakespeare · partition=iid"
+    cfg = compose([f"output_dir={tmp_path}", "run_name=plotted", "rounds=2", "seed=7"], algorithm="flite",
+                  preset="test")
+    assert run_title(cfg) == "flite · tiny-llama · shakespeare · partition=natural · rounds=2 · seed=7"
+    assert run_title(compose(["partition=iid"], preset="test")) == \
+        "fedavg-lora · tiny-llama · shakespeare · partition=iid · rounds=3 · seed=42"
     out = RunDir(cfg)
     for r, value in enumerate((70.0, 60.0, 55.0)):
         out.write_round({"round": r, "eval": {"perplexity": value}, "seconds": 1.0, "refused": [], "missing": [],
@@ -201,7 +204,35 @@ def test_metrics_png_has_integer_round_ticks_and_the_runs_identity_in_its_title(
     fig = run_figure(read_metrics(out.path), "perplexity", run_title(cfg))
     ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
     assert ticks == [0, 1, 2]
-    assert fig._suptitle.get_text() == "flite · tiny-llama · shakespeare"
+    assert fig._suptitle.get_text() == "flite · tiny-llama · shakespeare · partition=natural · rounds=2 · seed=7"
+    plt.close(fig)
+
+
+def test_a_one_round_metrics_png_shows_its_points_on_a_bytes_axis_whose_ticks_do_not_overlap():
+    """#60: one round drew a line from 0 across a symlog bytes axis, its ticks "0" and "10⁰" on top of
+    each other. Now: markers, round 0 hollow at the first round's bytes, a linear axis under a decade."""
+    import matplotlib.pyplot as plt
+
+    from fedapps.outputs import run_figure
+
+    history = [{"round": r, "eval": {"perplexity": value}, "clients": [{"uplink_payload_bytes": 65_536}] if r else []}
+               for r, value in ((0, 49_019.0), (1, 48_815.0))]
+    fig = run_figure(history, "perplexity", "t")
+    bytes_axis = fig.axes[1]
+    assert bytes_axis.get_xscale() == "linear"
+    points = [(tuple(line.get_xdata()), line.get_marker()) for line in bytes_axis.get_lines()]
+    assert points == [((65_536,), "o"), ((65_536,), "o")]  # round 1, and round 0 before any upload
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [label.get_window_extent(renderer) for label in bytes_axis.get_xticklabels()
+             if label.get_visible() and label.get_text()]
+    assert len(boxes) >= 2
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    plt.close(fig)
+    many = [{"round": r, "eval": {"perplexity": 10.0 - r}, "clients": [{"uplink_payload_bytes": 648}] if r else []}
+            for r in range(21)]
+    fig = run_figure(many, "perplexity")
+    assert fig.axes[1].get_xscale() == "log"  # 648 B to 13 kB: a log axis, over a decade
     plt.close(fig)
 
 

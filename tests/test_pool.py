@@ -174,3 +174,51 @@ def test_cli_lists_the_pool(backbone, adapters, tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1])["name"] == "math"
     assert pool_command.main(["list", "--pool", str(tmp_path / "missing")]) == 2
+
+
+def test_pool_build_shows_no_run_simulation_banner_and_no_colour_codes_when_piped(capsys, monkeypatch):
+    """#60: `postcard pool build` (and so `make demo`) printed Flower's "DEPRECATED FEATURE: run_simulation"
+    banner, and colour codes into a log file. What its simulations log: the banner dropped (nothing else),
+    Flower's levels and the lines Ray relays from the clients uncoloured when the output is not a terminal."""
+    import logging
+    import sys
+
+    from flwr.common.logger import FLOWER_LOGGER, ConsoleHandler, console_handler, log, warn_deprecated_feature
+
+    from postcard.pool import _not_the_run_simulation_banner, simulation_output
+
+    monkeypatch.setattr(console_handler, "stream", sys.stderr)  # Flower's console: here, captured (not a terminal)
+    message = ("The `run_simulation` function is deprecated and will be removed in a future version of Flower. "
+               "Please use `flwr run` in the CLI instead to run your simulation.")  # as run_simulation says it
+    with simulation_output():
+        warn_deprecated_feature(message)
+        warn_deprecated_feature("something else")
+        log(logging.WARNING, "a warning of the run")
+        print("\x1b[2m\x1b[36m(ClientAppActor pid=7)\x1b[0m \x1b[92mINFO \x1b[0m:      local training: step 1/4")
+    out, err = capsys.readouterr()
+    assert "run_simulation" not in out + err
+    assert "DEPRECATED FEATURE: something else" in err and "WARNING :   a warning of the run" in err
+    assert "(ClientAppActor pid=7) INFO :      local training: step 1/4" in out
+    assert "\x1b[" not in out + err
+    # as it was after it
+    assert [h.colored for h in FLOWER_LOGGER.handlers if isinstance(h, ConsoleHandler)] == [True]
+    assert _not_the_run_simulation_banner not in FLOWER_LOGGER.filters
+
+
+@pytest.mark.slow
+def test_pool_build_piped_to_a_file_has_no_banner_and_no_colour(tmp_path):
+    """The whole path, as `make demo > log` runs it: one source, the tiny model, one round of one step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "postcard.pool", "build", "--sources", "shakespeare-histories",
+                           "--pool", str(tmp_path / "pool"), "preset=test", "rounds=1", "train.local_steps=1",
+                           "eval.max_batches=1", f"output_dir={tmp_path / 'runs'}"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "pool build done: 1 adapter(s) added" in proc.stdout
+    assert "DEPRECATED FEATURE" not in output and "run_simulation" not in output
+    assert "\x1b[" not in output

@@ -2,6 +2,8 @@
 in clear in a private run, one hostile client of four moves the state less than the honest
 step by default, metric records bounded, the server's accounting out of a client's reach."""
 
+import logging
+
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -106,7 +108,7 @@ def test_a_private_client_sends_nothing_but_its_update_and_one_example():
 
 # ---------------------------------------------------------------------- finding 6: bounded influence
 @pytest.mark.parametrize("attack", ["sign-flip", "orthogonal"])
-def test_by_default_one_hostile_client_of_four_moves_the_state_less_than_the_honest_step(attack):
+def test_by_default_one_hostile_client_of_four_moves_the_state_less_than_the_honest_step(attack, caplog):
     rng = np.random.default_rng(0)
     common = rng.normal(size=D)
     honest = {v: common + rng.normal(size=D) for v in (1, 2, 3)}
@@ -124,11 +126,41 @@ def test_by_default_one_hostile_client_of_four_moves_the_state_less_than_the_hon
     requests = push(attacked.configure_train(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3, 4])))
     replies = [reply(requests[v], honest[v] * 1e-3, **{"num-examples": counts[v]}) for v in honest]
     replies.append(reply(requests[4], hostile, **{"num-examples": 10**18}))
+    caplog.clear()
     attacked.aggregate_train(1, replies)
     moved = attacked.global_state["w"].astype(np.float64)
     assert np.linalg.norm(moved - step) < np.linalg.norm(step)  # with 10 / 100 it was 17x
     kinds = {b["kind"] for b in attacked.round_record()["bounded"] if b["node_id"] == 4}
     assert kinds == {"examples-capped", "norm-clipped"}
+    # far outside its bound: the round's one line on its bounded replies is a WARNING naming it
+    (line,) = [r for r in caplog.records if "replies bounded" in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert "far outside the bound (hostile-looking): node 4: num-examples 1000000000000000000 counted as " \
+        in line.getMessage()
+
+
+def test_honest_clients_whose_counts_differ_log_one_info_line_a_round_and_no_warning(caplog):
+    """#60: the default bounds act on honest replies in most rounds (every count above the lower median
+    is capped); that was a WARNING per client per round ("num-examples 360 counted as 214"). Now one
+    INFO line for the round, and each reply's detail still in the round's record (metrics.jsonl)."""
+    rng = np.random.default_rng(1)
+    common = rng.normal(size=D)
+    counts = {1: 360, 2: 214, 3: 150, 4: 500, 5: 214}
+    sizes = {1: 1.0, 2: 0.8, 3: 1.2, 4: 2.5, 5: 0.9}  # node 4's update: 2.5 / 1.5 = 1.7x the clip bound
+    strat = strategy(clients=5)  # the defaults: robust=default
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        round_of(strat, {v: (sizes[v] * 1e-3 * (common + 0.1 * rng.normal(size=D)), {"num-examples": c})
+                         for v, c in counts.items()})
+    lines = [r for r in caplog.records if "bounded" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
+    assert lines[0].getMessage().startswith("round 1: 2 of 5 replies bounded: example counts capped at 214 (2), "
+                                            "update norms clipped to 1.5x the lower median, ")
+    assert lines[0].getMessage().endswith(" (1)")
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    bounded = strat.round_record()["bounded"]
+    assert [(b["node_id"], b["kind"]) for b in bounded] == [(1, "examples-capped"), (4, "examples-capped"),
+                                                           (4, "norm-clipped")]
+    assert bounded[0]["detail"] == "num-examples 360 counted as 214"
 
 
 def test_an_evaluation_claim_of_many_examples_does_not_set_the_metric():
