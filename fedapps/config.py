@@ -26,7 +26,7 @@ from fedapps.resolved import from_yaml, to_yaml  # noqa: F401 - re-exported
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("algorithm", "task", "model", "partition", "preset", "robust", "base", "channel")
 # run_config keys (pyproject [tool.flwr.app.config]) that are not Hydra groups
-RUN_CONFIG_KEYS = (*GROUPS, "overrides", "output-dir")
+RUN_CONFIG_KEYS = (*GROUPS, "overrides", "output-dir", "config-dir")
 
 
 def choices(group: str, conf_path: Sequence[str | Path] = ()) -> list[str]:
@@ -83,19 +83,20 @@ def compose(overrides: Sequence[str] | str = (), *, conf_path: Sequence[str | Pa
     return finalize(cfg)
 
 
-def check_overrides(overrides: Sequence[str]) -> None:
+def check_overrides(overrides: Sequence[str], conf_path: Sequence[str | Path] = ()) -> None:
     """Group choices and keys of command-line overrides, before Hydra sees them (a sweep's
-    ``key=a,b`` is checked per choice); ConfigError names the fix."""
+    ``key=a,b`` is checked per choice); ConfigError names the fix. ``conf_path``: as :func:`compose`'s."""
+    conf_path = tuple(str(p) for p in conf_path)
     groups = []
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.lstrip("+~")
         if key in GROUPS and value:
             for choice in value.split(","):
-                _check_choice(key, choice)
+                _check_choice(key, choice, conf_path)
             groups.append(f"{key}={value.split(',')[0]}")
-    _check_keys(groups, overrides)
-    check_preset(groups)
+    _check_keys(groups, overrides, conf_path)
+    check_preset(groups, conf_path)
 
 
 def _preset_file(name: str, conf_path: Sequence[str | Path] = ()) -> Path | None:
@@ -209,7 +210,12 @@ def compose_from_run_config(run_config: Mapping[str, object]) -> DictConfig:
     output_dir = str(run_config.get("output-dir", "") or "")
     if output_dir:
         overrides.append(f"output_dir={output_dir}")
-    return compose(overrides, **{g: str(run_config.get(g, "") or "") for g in GROUPS})
+    config_dir = str(run_config.get("config-dir", "") or "")
+    if config_dir and not Path(config_dir).expanduser().is_dir():
+        raise ConfigError(f"config-dir '{config_dir}' is not a folder (on a deployment, the server machine needs it "
+                          "at the same path)")
+    conf_path = [str(Path(config_dir).expanduser())] if config_dir else []
+    return compose(overrides, conf_path=conf_path, **{g: str(run_config.get(g, "") or "") for g in GROUPS})
 
 
 def finalize(cfg: DictConfig) -> DictConfig:

@@ -185,8 +185,11 @@ def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, lab
         reply = {}
     run_id = str(reply.get("run-id") or "")
     if submitted.returncode != 0 or not reply.get("success", False) or not run_id:
-        print(submitted.stdout + submitted.stderr, file=sys.stderr)
-        print(f"{label}: the run was not submitted (flwr run exit {submitted.returncode})", file=sys.stderr)
+        message = " ".join(str(reply.get("error-message") or "").split()).rstrip(".")
+        if not message:
+            print(submitted.stdout + submitted.stderr, file=sys.stderr)
+        print(f"{label}: the run was not submitted (flwr run exit {submitted.returncode})"
+              + (f": {message}" if message else "") + unreachable_hint(message, env), file=sys.stderr)
         return 2
     print(f"{label}: run {run_id} submitted; streaming its logs", flush=True)
     stream_logs([flwr, "log", run_id, "--stream"], env=env, cwd=cwd)
@@ -200,11 +203,23 @@ def run_app(args: list[str], *, cwd=None, env: dict[str, str] | None = None, lab
     return 1
 
 
-def run_composed(cfg, overrides: list[str]) -> tuple[int, dict]:
+def unreachable_hint(message: str, env: dict[str, str]) -> str:
+    """The fix for Flower's "Connection to the SuperLink is unavailable" (else ""): where the connection's
+    address is set and how to bring a SuperLink up."""
+    if "unavailable" not in message.lower():
+        return ""
+    config = Path(env.get("FLWR_HOME") or "~/.flwr").expanduser() / "config.toml"
+    return (f". No SuperLink answers at that address: start it (a deployment: docs/deploy.md; on this machine "
+            f"`make deploy-local`), or fix the connection's address in {config}; the local simulation needs no "
+            "SuperLink of yours (`python -m postcard.superlink status` shows the one `flwr run` starts)")
+
+
+def run_composed(cfg, overrides: list[str], conf_path: list[str] = ()) -> tuple[int, dict]:
     """Run a composed configuration (``cfg``, from Hydra ``overrides``) as ``flwr run`` of this app:
     the group choices and the other overrides become its run config, ``num_clients`` its
-    SuperNodes, ``simulation.client_cpus/client_gpus`` their resources. Returns the exit status of
-    :func:`run_app` and the run's ``summary.json`` (empty when it wrote none)."""
+    SuperNodes, ``simulation.client_cpus/client_gpus`` their resources, ``conf_path`` (at most one
+    folder: ``--config-dir``) its ``config-dir``. Returns the exit status of :func:`run_app` and the
+    run's ``summary.json`` (empty when it wrote none)."""
     import tempfile
 
     from fedapps.config import GROUPS
@@ -226,6 +241,8 @@ def run_composed(cfg, overrides: list[str]) -> tuple[int, dict]:
     federation = (f"num-supernodes={num_clients} client-resources-num-cpus={resources['num_cpus']:g} "
                   f"client-resources-num-gpus={resources['num_gpus']:g}")
     run_config = {**groups, "overrides": shlex.join(rest), "output-dir": str(root)}
+    if conf_path:
+        run_config["config-dir"] = str(conf_path[-1])
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "run-config.toml"  # a file: no quoting of values for the command line
         path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in run_config.items()))

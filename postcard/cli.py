@@ -4,6 +4,7 @@
     postcard -m algorithm=fedavg-lora,fedprox,ffa-lora        # a sweep, then one table
     postcard -m train.lr=1e-4,1e-3 preset=test                # a sweep over any key: a column per key
     postcard --cfg job                                        # check and print the composed config (as the server runs it)
+    postcard --config-dir DIR preset=mine                     # config groups of your own (DIR/preset/mine.yaml), after conf/
     postcard pool {build,add,list} ...                        # SmartFed's LoRA knowledge pool
     postcard convert --gguf FILE --out DIR                    # a GGUF causal LM as a HF checkpoint (model=hf model.path=DIR)
     postcard pretrain task=cifar10                            # θ_pre for base=public (a task-pretrained base)
@@ -79,7 +80,7 @@ def run(cfg: DictConfig) -> dict | None:
     if refused:
         print(f"postcard: {refused}", file=sys.stderr)
         raise SystemExit(2)
-    status, summary = run_composed(cfg, list(HydraConfig.get().overrides.task))
+    status, summary = run_composed(cfg, list(HydraConfig.get().overrides.task), config_dirs(sys.argv[1:]))
     if status != 0:  # the run's own error has been printed by now
         raise SystemExit(status)
     return summary
@@ -106,6 +107,18 @@ def _drop_empty(folder: Path) -> None:
         folder.rmdir()  # only if empty
     except OSError:
         pass
+
+
+def config_dirs(args: list[str]) -> list[str]:
+    """The folder of ``--config-dir DIR`` (Hydra's ``-cd``, ``--config-dir=DIR``): config groups of the
+    user's own, searched after ``conf/`` by this check, by Hydra, and by the server (run config
+    ``config-dir``). Refused in one line when it is not a folder."""
+    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config-dir", "-cd")]
+    found += [a.split("=", 1)[1] for a in args if a.startswith("--config-dir=")]
+    for folder in found:
+        if not Path(folder).expanduser().is_dir():
+            raise ConfigError(f"--config-dir '{folder}' is not a folder")
+    return [str(Path(f).expanduser().resolve()) for f in found]
 
 
 def _cfg_job(args: list[str]) -> bool:
@@ -153,10 +166,11 @@ def main() -> None:
     args = sys.argv[1:]
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
     try:
-        check_overrides(overrides)
+        conf_path = config_dirs(args)
+        check_overrides(overrides, conf_path)
         multirun = any(arg in ("-m", "--multirun") for arg in args)
         if not multirun and any(arg in ("--cfg", "-c") or arg.startswith("--cfg=") for arg in args):
-            composed = compose(overrides)
+            composed = compose(overrides, conf_path=conf_path)
             if _cfg_job(args):  # what the server runs: checked and derived (templates, wire settings), resolved
                 from fedapps.config import to_yaml
 

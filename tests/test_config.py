@@ -293,3 +293,27 @@ def test_a_user_preset_with_an_unknown_key_is_refused_naming_the_file(tmp_path):
         "# @package _global_\ndefaults:\n  - override /task: instructions\nrounds: 2\n")
     cfg = compose(["preset=mine"], conf_path=[tmp_path])
     assert (cfg.task.name, cfg.rounds) == ("instructions", 2)
+
+
+def test_config_dir_of_ones_own_reaches_the_cli_and_the_server(tmp_path):
+    """#60: `postcard --config-dir DIR` failed (a preset of one's own was an unknown choice); now the CLI,
+    Hydra and the server (run config `config-dir`) all search DIR after conf/."""
+    import subprocess
+    import sys
+
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /algorithm: fednl\n"
+                                                  "rounds: 1\n")
+    out = subprocess.run([sys.executable, "-m", "postcard.cli", "--config-dir", str(tmp_path), "preset=mine", "--cfg",
+                          "job"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "name: fednl" in out.stdout and "rounds: 1" in out.stdout
+    server = compose_from_run_config({"preset": "mine", "config-dir": str(tmp_path)})
+    assert (server.algorithm.name, server.rounds) == ("fednl", 1)
+    (tmp_path / "preset" / "mine.yaml").write_text("# @package _global_\nrounds: 1\ntrain:\n  lrr: 1\n")
+    bad = subprocess.run([sys.executable, "-m", "postcard.cli", "--config-dir", str(tmp_path), "preset=mine"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("postcard: preset 'mine'") and \
+        "unknown config key 'train.lrr'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="config-dir '/no/such' is not a folder"):
+        compose_from_run_config({"config-dir": "/no/such"})

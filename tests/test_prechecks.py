@@ -68,3 +68,17 @@ def test_flites_latent_budget_is_checked_against_the_models_layers_at_compose_ti
         compose(["algorithm.flite.latent_budget=70", *fix] if "latent_budget" not in fix[0] else fix,
                 algorithm="flite", preset="test")
     compose(algorithm="flite")  # SmolLM2: 61 norm layers (732 latents) + 210 weight layers fit 1,280
+
+
+def test_a_superlink_nobody_runs_is_named_in_one_line_with_the_fix(tmp_path):
+    """#60: the SuperLink-unavailable message named no fix (and came as Flower's JSON)."""
+    from postcard.deploy import flower_env
+
+    (tmp_path / "config.toml").write_text('[superlink]\ndefault = "remote"\n\n[superlink.remote]\n'
+                                          'address = "127.0.0.1:9"\ninsecure = true\n')
+    out = subprocess.run([sys.executable, "-m", "postcard.app_run", str(app_run.ROOT), "remote", "--run-config",
+                          "preset='test'"], env=flower_env(tmp_path), capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "Connection to the SuperLink is unavailable" in lines[0]
+    assert f"fix the connection's address in {tmp_path / 'config.toml'}" in lines[0] and "make deploy-local" in lines[0]
