@@ -35,6 +35,7 @@ class FedProx(PayloadFedAvg):
         self.proximal_mu = float(proximal_mu)
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
+        config = super().train_config_for(server_round, node_id, config)
         config["proximal-mu"] = self.proximal_mu
         return config
 

@@ -26,6 +26,7 @@ class FedSSI(FedAvgLoRA):
         self.lam = float(lam)
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
+        config = super().train_config_for(server_round, node_id, config)
         config["ssi-c"] = self.c
         config["ssi-lambda"] = self.lam
         return config

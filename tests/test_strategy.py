@@ -218,3 +218,14 @@ def test_a_strategy_with_its_own_combine_is_refused_under_privacy_or_secure_aggr
     with pytest.raises(ValueError, match="_Doubling combines replies its own way; secure aggregation"):
         make_strategy(_Doubling, uplink="delta", secure=SecureSettings(bits=16, clip=0.5))
     make_strategy(PayloadFedAvg, uplink="delta", privacy=dp)  # the plain mean is what both release
+
+
+@pytest.mark.parametrize("name", [s.name for s in __import__("hostile").SPECS])
+def test_every_strategys_train_config_carries_what_the_base_adds(name):
+    """#61: FedProx and FedSSI overrode train_config_for without super() and dropped the base's `uplink`
+    key; every strategy of the hostile catalogue (one per method and wire) must carry it."""
+    from hostile import SPEC_BY_NAME
+
+    strategy = SPEC_BY_NAME[name].build()
+    config = strategy.train_config_for(1, 7, ConfigRecord({"lr": 0.1}))
+    assert config["uplink"] == strategy.uplink and config["lr"] == 0.1
