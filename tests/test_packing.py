@@ -81,6 +81,21 @@ def test_a_malformed_packed_record_is_refused_with_a_reason(data, reason):
         packing.unpack(with_data(data))
 
 
+def test_a_hostile_manifest_is_refused_cheaply_and_never_escapes_the_server():
+    """#62 finding 4: a 20 KB manifest nested 10,000 deep raised RecursionError out of unpack and
+    collect_replies (the run failed); 10^6 entries (then the limit) cost 83 s and ~2 GB before refusal."""
+    from flwr.app import Message
+
+    nested = struct.pack("<4sIQ", packing.MAGIC, 1, 20_000) + b"[" * 10_000 + b"]" * 10_000
+    with pytest.raises(PayloadError, match="nested deeper"):
+        packing.unpack(with_data(nested))
+    reply = Message(content=with_data(nested), dst_node_id=1, message_type="train")
+    assert "nested deeper" in packing.receive(reply)  # a reason, not an exception
+    many = [["arrays", [[f"a{i}", "float32", [1], codec.FP32, 4] for i in range(packing.MAX_ARRAYS + 1)]]]
+    with pytest.raises(PayloadError, match=f"more than {packing.MAX_ARRAYS} arrays"):  # before any array is built
+        packing.unpack(with_data(packed_bytes(many, b"\0" * 4 * (packing.MAX_ARRAYS + 1))))
+
+
 def test_a_packed_record_of_the_wrong_shape_is_refused():
     with pytest.raises(PayloadError, match="stype"):
         packing.unpack(with_data(packed_bytes(GOOD, b"\0" * 8), stype="postcard.fp32"))
