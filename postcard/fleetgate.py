@@ -23,7 +23,12 @@ lifespan (SuperExec, database) and TLS — on two listeners of one server:
   path or protocol on that listener gets ``404`` before it reaches Flower.
 
 A request is let through to every API only when it arrived on the loopback listener's port
-(fail closed: an unknown local address counts as public).
+(fail closed: an unknown local address counts as public). On the public listener a request must
+declare its body's length (``Content-Length``: Flower's SuperNode always does) and that length must
+be at most ``--max-request-mb`` (default 32 MiB; a SuperNode's largest request is one object,
+an array chunk of at most 5 MiB by default): else ``411``/``413`` before a byte of the body is read,
+because Flower's protobuf layer reads the whole body before SuperNode authentication (three
+unauthenticated 256 MB POSTs once raised the SuperLink from 137 MB to 1.68 GB resident).
 
     python -m postcard.fleetgate --fleet-host 0.0.0.0 --fleet-port 9092 \\
         --host 127.0.0.1 --port 9093 <every other flower-superlink argument>
@@ -37,6 +42,7 @@ import socket
 import sys
 
 FLEET_PREFIX = "/v1/fleet/"
+MAX_REQUEST_MB = 32  # the largest body the public listener accepts, MiB
 
 
 def fleet_paths() -> frozenset[str]:
@@ -51,10 +57,27 @@ def fleet_paths() -> frozenset[str]:
 class FleetOnly:
     """ASGI middleware: on any listener but the loopback one, only the Fleet routes pass."""
 
-    def __init__(self, app, private_port: int, allowed: frozenset[str] | None = None) -> None:
+    def __init__(self, app, private_port: int, allowed: frozenset[str] | None = None,
+                 max_body: int = MAX_REQUEST_MB * 2**20) -> None:
         self.app = app
         self.private_port = int(private_port)
         self.allowed = fleet_paths() if allowed is None else allowed
+        self.max_body = int(max_body)
+
+    @staticmethod
+    async def _refuse(send, status: int, text: str) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": text.encode()})
+
+    def _length_problem(self, scope) -> tuple[int, str] | None:
+        """(status, text) when a public request's declared body length is missing, bad or too large."""
+        lengths = [v for k, v in scope.get("headers") or [] if k.lower() == b"content-length"]
+        if len(lengths) != 1 or not lengths[0].strip().isdigit():
+            return 411, "Length Required: the Fleet API takes bodies of a declared length\n"
+        if int(lengths[0]) > self.max_body:
+            return 413, f"Payload Too Large: at most {self.max_body} bytes\n"
+        return None
 
     def private(self, scope) -> bool:
         server = scope.get("server")
@@ -64,11 +87,13 @@ class FleetOnly:
         if scope["type"] == "lifespan" or self.private(scope):
             await self.app(scope, receive, send)
         elif scope["type"] == "http" and scope.get("path") in self.allowed and scope.get("method") == "POST":
-            await self.app(scope, receive, send)
+            problem = self._length_problem(scope)
+            if problem:
+                await self._refuse(send, *problem)
+            else:
+                await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 404,
-                        "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
-            await send({"type": "http.response.body", "body": b"Not Found: only the Fleet API is served here\n"})
+            await self._refuse(send, 404, "Not Found: only the Fleet API is served here\n")
         else:  # websockets and anything else
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
@@ -90,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "argument is flower-superlink's (--host/--port: the loopback listener of every API)")
     parser.add_argument("--fleet-host", required=True, help="address of the Fleet API listener, e.g. 0.0.0.0")
     parser.add_argument("--fleet-port", type=int, required=True, help="port of the Fleet API listener, e.g. 9092")
+    parser.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB,
+                        help=f"the largest request body the Fleet listener accepts, MiB (default {MAX_REQUEST_MB}; "
+                             "raise it with FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)")
     return parser
 
 
@@ -142,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     fsl = importlib.import_module("flwr.superlink.cli.flower_superlink")  # the module (the package exports a function)
     sys.argv = ["flower-superlink", *rest]  # Flower's config parser reads sys.argv (and logs its warnings)
     config = fsl._parse_superlink_lifespan_config()
-    app = FleetOnly(create_app(config, fsl.SuperLinkLifespan), private_port=config.port)
+    app = FleetOnly(create_app(config, fsl.SuperLinkLifespan), private_port=config.port,
+                    max_body=int(ours.max_request_mb * 2**20))
     sockets = [_listen(config.host, config.port), _listen(ours.fleet_host, ours.fleet_port)]
     print(f"[fleetgate] every API on https://{config.host}:{config.port} (loopback); "
           f"the Fleet API alone on https://{ours.fleet_host}:{ours.fleet_port}", flush=True)
