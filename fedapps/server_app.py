@@ -48,7 +48,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from postcard.pulls import prompt_object_pulls
+    from fedapps.pulls import prompt_object_pulls
 
     log(INFO, "ServerApp: %s", prompt_object_pulls())  # a reply's objects: retried promptly (docs/deploy.md §9)
     run_server(grid, compose_from_run_config(context.run_config))

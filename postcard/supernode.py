@@ -10,7 +10,7 @@ previous reply: about 3 s a round of waiting that is neither training nor moving
 of a 30-second round. This runs the same ``flower-supernode`` (``flwr.supernode.cli``) in the
 same process with those two waits shortened (``--idle-poll``: asking the SuperLink for a
 message more often while idle; ``--reply-poll``: noticing the ClientApp's reply sooner), and
-with the object pulls of :mod:`postcard.pulls`. Every other argument goes to Flower as it is.
+with the object pulls of :mod:`fedapps.pulls`. Every other argument goes to Flower as it is.
 
 It relies on Flower internals (the two ``time.sleep`` calls of that module), so like
 :mod:`postcard.worker` it refuses another flwr in one line (exit status 2), and it checks
@@ -25,7 +25,7 @@ import inspect
 import sys
 import time
 
-from postcard.pulls import prompt_object_pulls
+from fedapps.pulls import prompt_object_pulls
 from postcard.worker import check_flwr
 
 IDLE = 3  # flwr 1.42's sleep when a pull finds no message

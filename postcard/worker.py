@@ -52,7 +52,7 @@ import threading
 import time
 from pathlib import Path
 
-from postcard.pulls import prompt_object_pulls
+from fedapps.pulls import prompt_object_pulls
 
 FLWR_VERSION = "1.42.0"  # the Flower whose internals this module uses (see the module docstring)
 STARTED = time.time()  # when this program started (a re-execution keeps the pid, not this)

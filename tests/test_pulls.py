@@ -1,4 +1,4 @@
-"""postcard.pulls: Flower's retry schedule for unavailable objects, shortened where Postcard runs."""
+"""fedapps.pulls: Flower's retry schedule for unavailable objects, shortened where Postcard runs."""
 
 import time
 
@@ -7,7 +7,7 @@ import pytest
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
 
-from postcard.pulls import prompt_object_pulls
+from fedapps.pulls import prompt_object_pulls
 
 
 @pytest.fixture
