@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strategies import robust
+
 # dp-accounting (3 s to import) is imported by the accountant's functions, when a run has privacy on
 
 MODES = ("central", "local")
@@ -174,13 +176,9 @@ def _positive(value, key: str) -> float:
     return number
 
 
-def l2_norm(update: Mapping[str, np.ndarray]) -> float:
-    return float(math.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in update.values())))
-
-
 def clip_update(update: Mapping[str, np.ndarray], clip: float) -> tuple[dict[str, np.ndarray], float]:
     """``update`` scaled to L2 norm at most ``clip`` (float64), and its norm before."""
-    norm = l2_norm(update)
+    norm = robust.norm(update)  # the one L2 norm of a set of tensors (float64)
     factor = min(1.0, clip / norm) if norm > 0 else 1.0
     return {k: np.asarray(v, np.float64) * factor for k, v in update.items()}, norm
 
