@@ -394,7 +394,8 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
     survivors' revealed shares.
 
     Each revealed share is read at its holder's own index (its place in ``positions``, the nodes
-    the shares were dealt to; default: ``public_keys``' order), whatever index the reply names,
+    the shares were dealt to; default: ``public_keys``' order), whatever index the reply names (never
+    checked: the dealer wrote it and the digest does not cover it),
     and checked against the digest its dealer published (``digests``: {dealer: {holder: 64
     bytes}}). A holder with any share that does not match is a liar: all its shares are set
     aside and it is added to ``liars`` ({node: why}). No search over subsets: any ``threshold``
@@ -416,12 +417,13 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
             liars[holder] = "it revealed shares but was dealt none"
             continue
         mine, bad = {}, None
-        for owner, (kind, index, share) in shares.items():
+        for owner, (kind, _index, share) in shares.items():
+            # the index a reply names is not read: the dealer wrote it, and the digest does not cover it, so a
+            # dealer could write a wrong one into authentic shares and have their honest holders called liars
+            # (#62 finding 2); every share is read at its holder's own position
             digest = digests.get(int(owner), {}).get(holder, b"")
             at = 0 if kind == "b" else 32
-            if int(index) != index_of[holder]:
-                bad = f"it labelled its share of node {owner} with index {index}, its own is {index_of[holder]}"
-            elif digest[at:at + 32] != share_digest(kind, int(owner), holder, round_id, share):
+            if digest[at:at + 32] != share_digest(kind, int(owner), holder, round_id, share):
                 bad = f"its share of node {owner} is not the one node {owner} dealt it"
             if bad:
                 break

@@ -106,7 +106,30 @@ def test_a_holder_revealing_another_holders_index_is_named_and_the_round_complet
     np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes),
                                atol=1e-6)
     refused = strat.round_record()["refused"]
-    assert [r["node_id"] for r in refused] == [9] and "index 1, its own is 2" in refused[0]["reason"]
+    assert [r["node_id"] for r in refused] == [9] and "is not the one node" in refused[0]["reason"]
+
+
+@pytest.mark.parametrize("nodes", [[1, 2, 3, 4], list(range(1, 11)), list(range(1, 17))])
+def test_a_dealer_writing_a_wrong_index_into_authentic_shares_gets_no_honest_holder_refused(nodes, monkeypatch):
+    """#62 finding 2: the digest does not cover the index a share carries, so a dealer wrote 200 into otherwise
+    authentic shares and the server refused n−t+1 honest holders by name and abandoned the round. The index is
+    not read: every share counts at its holder's position, and the round completes with everyone's mean."""
+    real = secagg._SHARE
+
+    class Relabel:  # the dealer (node 1) packs index 200 into every share it deals
+        size = real.size
+
+        @staticmethod
+        def pack(owner, holder, round_id, index, *rest):
+            return real.pack(owner, holder, round_id, 200 if owner == 1 else index, *rest)
+
+        unpack = staticmethod(real.unpack)
+
+    monkeypatch.setattr(secagg, "_SHARE", Relabel)
+    strat, updates = strategy(clients=len(nodes)), updates_for(nodes)
+    local_round(strat, updates)
+    np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes), atol=1e-6)
+    assert strat.round_record()["refused"] == [] and not strat.banned
 
 
 def test_a_holder_lying_about_its_shares_at_n16_is_named_at_once_and_the_round_completes():
