@@ -50,8 +50,13 @@ def force_offline() -> None:
         os.environ.setdefault(key, value)
 
 
+def cache_root() -> Path:
+    """``$POSTCARD_CACHE`` (default ``~/.cache/postcard``), not created (:func:`cache_dir` creates it)."""
+    return Path(os.environ.get("POSTCARD_CACHE", Path.home() / ".cache" / "postcard")).expanduser()
+
+
 def cache_dir() -> Path:
-    path = Path(os.environ.get("POSTCARD_CACHE", Path.home() / ".cache" / "postcard")).expanduser()
+    path = cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -151,7 +156,9 @@ def gguf_metadata(path: Path) -> dict:
 
         reader = GGUFReader(str(path))
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file: one line, whatever the reader raised
-        raise ConversionError(f"{path} is not a readable GGUF file: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConversionError(f"{path} is not a readable GGUF file (truncated, or not GGUF: {reason}); download it "
+                              "again or give another .gguf file") from None
     out = {}
     for key, short in (("general.architecture", "architecture"), ("general.name", "name")):
         field = reader.fields.get(key)
@@ -208,16 +215,42 @@ def _convert_smollm2(out: Path) -> None:
 def gguf_checkpoint(path) -> Path:
     """A GGUF file (``model.gguf``) as an fp32 HF checkpoint folder in the cache, converted once per file
     (the folder is named by the file's name, size and modification time)."""
-    import hashlib
-
     force_offline()
     gguf = Path(str(path)).expanduser().resolve()
     if not gguf.is_file():
         raise AssetMissing(f"model.gguf '{path}' does not exist (give a .gguf file)")
+    return cached_folder(_gguf_folder_name(gguf), lambda out: convert_gguf(gguf, out))
+
+
+def _gguf_folder_name(gguf: Path) -> str:
+    """The cache folder of a GGUF file's conversion: named by the file's name, path, size and modification time."""
+    import hashlib
+
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     stem = gguf.name[:-5] if gguf.name.lower().endswith(".gguf") else gguf.name
-    return cached_folder(f"gguf-{stem}-{key}", lambda out: convert_gguf(gguf, out))
+    return f"gguf-{stem}-{key}"
+
+
+_READ_WHOLE: set[tuple[str, int, int]] = set()  # GGUF files this process has read whole: (path, size, mtime)
+
+
+def check_gguf(path) -> None:
+    """``model.gguf``'s check when a run is composed (``fedapps.checks``): the file reads as a GGUF file, its
+    header, metadata and tensor infos, as ``postcard convert`` reads it before converting
+    (:func:`gguf_metadata`), so a truncated or foreign file is refused in the same one line (ConversionError)
+    before any run starts, not by every client's conversion. Nothing is converted. A file whose conversion is
+    in the cache already (:func:`gguf_checkpoint`), or that this process has read, is not read again (the
+    read parses every metadata array: ~2 s for a 100 MB model with a 49k-token vocabulary)."""
+    gguf = Path(str(path)).expanduser().resolve()
+    if not gguf.is_file():
+        raise ConversionError(f"{gguf} does not exist (give a .gguf file)")
+    stat = gguf.stat()
+    key = (str(gguf), stat.st_size, stat.st_mtime_ns)
+    if key in _READ_WHOLE or (cache_root() / _gguf_folder_name(gguf) / ".complete").exists():
+        return
+    gguf_metadata(gguf)
+    _READ_WHOLE.add(key)
 
 
 def smollm2_checkpoint() -> Path:

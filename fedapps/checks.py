@@ -80,10 +80,11 @@ def _check_learning_rates(algorithm) -> None:
             raise ConfigError(f"algorithm.lr.{key} must be null (= train.lr) or a number > 0, got {value!r}")
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, ready: bool = True) -> None:
     """Every check of a composed config (writable), in order; raises ConfigError naming the fix. Two steps
     also derive settings: the channel's wire settings (``fedapps.channel.apply``) and a checkpoint's own
-    name as ``model.name`` (:func:`_label_model`). The method's own settings are its record's ``check``."""
+    name as ``model.name`` (:func:`_label_model`). The method's own settings are its record's ``check``;
+    with ``ready``, last, what a run of it needs on this machine (its record's ``ready``: SmartFed's pool)."""
     method = _method(cfg)
     _check_numbers(cfg)
     _check_sampling(cfg)
@@ -129,6 +130,8 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if ready and method.ready is not None:  # after every setting: a wrong setting is named first
+        method.ready(cfg)
 
 
 def _method(cfg: DictConfig):
@@ -260,8 +263,9 @@ def _check_partition(partition) -> None:
 
 def _check_model_path(model) -> None:
     """A causal LM's ``model.path`` that names a local folder must be a checkpoint folder (a hub id is left to
-    the online user), ``model.gguf`` a file, not both; ``model=hf`` needs one of them. Checked here, not on
-    every client after the run started."""
+    the online user), ``model.gguf`` a readable GGUF file (``clients.assets.check_gguf``: its header and
+    tensor infos, as ``postcard convert`` reads them; not converted), not both; ``model=hf`` needs one of
+    them. Checked here, not on every client after the run started."""
     if model.get("kind") != "causal_lm":  # a vision model's path is a .pt file, checked on load
         return
     path, gguf = model.get("path"), model.get("gguf")
@@ -271,6 +275,12 @@ def _check_model_path(model) -> None:
     if gguf:
         if not Path(str(gguf)).expanduser().is_file():
             raise ConfigError(f"model.gguf '{gguf}' is not a file; give a .gguf file (absolute path)")
+        from clients.assets import ConversionError, check_gguf  # the gguf reader: numpy, no torch
+
+        try:  # read as `postcard convert` reads it first: a truncated file here, not on every client
+            check_gguf(gguf)
+        except ConversionError as err:
+            raise ConfigError(str(err)) from None
         return
     if not path:
         if str(model.get("name")) == "hf" and not model.get("random_init"):

@@ -47,7 +47,7 @@ def _check_choice(group: str, value: str, conf_path: Sequence[str | Path] = ()) 
         raise ConfigError(f"unknown {group} '{value}'; valid choices: {', '.join(valid)}")
 
 
-def compose(overrides: Sequence[str] | str = (), *, conf_path: Sequence[str | Path] = (),
+def compose(overrides: Sequence[str] | str = (), *, conf_path: Sequence[str | Path] = (), ready: bool = False,
             **groups: str | None) -> DictConfig:
     """Compose ``conf/config.yaml`` with group choices and Hydra overrides.
 
@@ -55,7 +55,9 @@ def compose(overrides: Sequence[str] | str = (), *, conf_path: Sequence[str | Pa
     group values keep the defaults. ``conf_path``: further config folders, searched after
     ``conf/`` (Hydra's search path), e.g. one holding ``algorithm/<name>.yaml`` of a method kept
     outside the checkout. Raises :class:`ConfigError` for an unknown group choice or key,
-    naming what is valid.
+    naming what is valid. ``ready``: also what a run of it needs on this machine (a method's
+    ``ready`` check: SmartFed's pool), as :func:`finalize` checks before a run is submitted; off, so
+    that a config composes to be looked at (``postcard --cfg job``) before its pool is built.
     """
     conf_path = tuple(str(p) for p in conf_path)
     if isinstance(overrides, str):
@@ -80,7 +82,7 @@ def compose(overrides: Sequence[str] | str = (), *, conf_path: Sequence[str | Pa
             cfg = hydra_compose(config_name="config", overrides=_searched(items, conf_path))
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err)) from None
-    return finalize(cfg)
+    return finalize(cfg, ready=ready)
 
 
 def check_overrides(overrides: Sequence[str], conf_path: Sequence[str | Path] = ()) -> None:
@@ -218,12 +220,14 @@ def compose_from_run_config(run_config: Mapping[str, object]) -> DictConfig:
     return compose(overrides, conf_path=conf_path, **{g: str(run_config.get(g, "") or "") for g in GROUPS})
 
 
-def finalize(cfg: DictConfig) -> DictConfig:
+def finalize(cfg: DictConfig, ready: bool = True) -> DictConfig:
     """Check a composed config (``fedapps.checks.validate``: cross-group consistency, the method's own
-    check) and fill what it derives (the channel's wire settings, a checkpoint's model name); then freeze it."""
+    check) and fill what it derives (the channel's wire settings, a checkpoint's model name); then freeze it.
+    ``ready`` (the default: ``postcard`` and ``postcard.app_run`` call this before they submit a run): also
+    what the run needs on this machine, its method's ``ready`` check (SmartFed: its knowledge pool)."""
     from fedapps.checks import validate
 
     OmegaConf.set_struct(cfg, False)
-    validate(cfg)
+    validate(cfg, ready=ready)
     OmegaConf.set_struct(cfg, True)
     return cfg

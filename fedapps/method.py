@@ -105,6 +105,11 @@ class Method:
     # (cfg) -> None, when the config is composed (fedapps.checks.validate; cfg still writable): its own
     # settings, as its clients and server will build them; raises ConfigError. Imports no torch.
     check: Callable[[object], None] | None = None
+    # (cfg) -> None, before a run is submitted (fedapps.config.finalize, as `postcard` and postcard.app_run call
+    # it; not plain compose, which composes configs to look at them): what the run needs on this machine besides
+    # its settings (SmartFed: its knowledge pool), after every settings check; raises ConfigError. Its server
+    # checks the same again (its machine may be another). Imports no torch.
+    ready: Callable[[object], None] | None = None
     # its exception types whose message names the fix: the ServerApp logs them in one line, no traceback
     errors: tuple[type[BaseException], ...] = ()
     # its final model as static weights (fedapps.final.FinalModel.export): None = the model as it is

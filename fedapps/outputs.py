@@ -32,6 +32,19 @@ def run_name(cfg) -> str:
                f"{cfg.model.name}")
 
 
+# the headline measures of a model; a task reports one as its ``metric`` (task.metric: initial_metric and
+# final_metric, comparisons); an instruction task's evaluation reports both (clients.tasks.local: accuracy, and
+# the perplexity of the responses), and a run shows the other beside its metric where a user looks
+HEADLINE_METRICS = ("accuracy", "perplexity")
+
+
+def secondary_metrics(metric: str, history: list[dict]) -> list[str]:
+    """The headline metrics (:data:`HEADLINE_METRICS`) other than ``metric`` that the run's evaluation reported
+    (in some round of ``history``): shown beside it in the console's table, ``summary.json`` and ``metrics.png``."""
+    return [m for m in HEADLINE_METRICS
+            if m != metric and any(r.get("eval", {}).get(m) is not None for r in history)]
+
+
 class RunDir:
     """A run's folder: ``config.yaml``, ``metrics.jsonl`` (a line per round), ``summary.json``, plots.
 
@@ -96,13 +109,14 @@ class RunDir:
         up = [c.get("uplink_payload_bytes") for c in clients if c.get("uplink_payload_bytes") is not None]
         down = [c.get("train_downlink_payload_bytes") for c in clients if c.get("train_downlink_payload_bytes")]
         losses = [c["train_loss"] for c in clients if "train_loss" in c]
-        if not self._header_printed:
-            log(INFO, "%5s | %12s | %10s | %14s | %14s | %8s | %s", "round", self.metric, "train loss",
-                "uplink B/client", "downlink B/client", "seconds", "refused")
+        if not self._header_printed:  # the metric, and beside it what else the evaluation reports (perplexity)
+            self._shown = [self.metric, *secondary_metrics(self.metric, [record])]
+            log(INFO, "%5s | " + "%12s | " * len(self._shown) + "%10s | %14s | %14s | %8s | %s", "round",
+                *self._shown, "train loss", "uplink B/client", "downlink B/client", "seconds", "refused")
             self._header_printed = True
-        metric = record["eval"].get(self.metric)
-        log(INFO, "%5d | %12s | %10s | %14s | %14s | %8.1f | %d", record["round"],
-            f"{metric:.4f}" if metric is not None else "-",
+        values = [record["eval"].get(m) for m in self._shown]
+        log(INFO, "%5d | " + "%12s | " * len(values) + "%10s | %14s | %14s | %8.1f | %d", record["round"],
+            *(f"{v:.4f}" if v is not None else "-" for v in values),
             f"{np.mean(losses):.4f}" if losses else "-",
             f"{int(np.mean(up)):,}" if up else "-",
             f"{int(np.mean(down)):,}" if down else "-",
@@ -131,8 +145,10 @@ class RunDir:
             plot_run(history, self.metric, self.path, run_title(self.cfg))
         except Exception as err:  # a plot must never lose the run's results
             log(INFO, "plots skipped: %s", err)
-        log(INFO, "Final %s: %s (round 0: %s); uplink %s bytes per client per round",  # full precision: summary.json
-            self.metric, _fmt(summary.get("final_metric")), _fmt(summary.get("initial_metric")),
+        others = "".join(f"; {m} {_fmt(summary.get(f'final_{m}'))} (round 0: {_fmt(summary.get(f'initial_{m}'))})"
+                         for m in secondary_metrics(self.metric, history))
+        log(INFO, "Final %s: %s (round 0: %s)%s; uplink %s bytes per client per round",  # full precision: summary.json
+            self.metric, _fmt(summary.get("final_metric")), _fmt(summary.get("initial_metric")), others,
             _fmt(summary.get("uplink_bytes_per_client_round")))
         log(INFO, "Results in %s", self.path)
         return summary
@@ -175,6 +191,12 @@ def summarize(cfg, history: list[dict]) -> dict:
     up_msg = [c["uplink_message_bytes"] for r in trained for c in r["clients"] if "uplink_message_bytes" in c]
     up_wire = [c["uplink_wire_bytes"] for r in trained for c in r["clients"] if "uplink_wire_bytes" in c]
     values = [(r["round"], r["eval"].get(metric)) for r in history if r["eval"].get(metric) is not None]
+    others = {}  # the other headline metric the evaluation reported (an instruction task's perplexity)
+    for name in secondary_metrics(metric, history):
+        series = [(r["round"], r["eval"][name]) for r in history if r["eval"].get(name) is not None]
+        others[f"initial_{name}"] = series[0][1] if series[0][0] == 0 else None
+        others[f"final_{name}"] = series[-1][1]
+        others[f"{name}_by_round"] = {str(r): v for r, v in series}
     return {
         "algorithm": cfg.algorithm.name,
         "task": cfg.task.name,
@@ -186,6 +208,7 @@ def summarize(cfg, history: list[dict]) -> dict:
         "initial_metric": values[0][1] if values and values[0][0] == 0 else None,
         "final_metric": values[-1][1] if values else None,
         "metric_by_round": {str(r): v for r, v in values},
+        **others,
         "final_client_metrics": {
             str(c.get("eval_partition-id", c["node_id"])): c.get(f"eval_{metric}")
             for c in (history[-1]["clients"] if history else [])
@@ -212,7 +235,9 @@ def run_title(cfg) -> str:
 
 def run_figure(history: list[dict], metric: str, title: str = ""):
     """The figure of ``metrics.png`` (None without an evaluated round): metric vs round (integer
-    ticks) and metric vs cumulative uplink bytes per client, under the run's ``title``.
+    ticks) and metric vs cumulative uplink bytes per client, under the run's ``title``; then a panel
+    vs round for each other headline metric the evaluation reported (:func:`secondary_metrics`: an
+    instruction task's perplexity beside its accuracy).
 
     The bytes panel is drawn as :func:`draw_curves` draws a comparison's: every point a marker,
     round 0 (nothing sent yet) hollow at the first round's bytes, rather than at 0 on a log axis;
@@ -228,10 +253,16 @@ def run_figure(history: list[dict], metric: str, title: str = ""):
     if not curve:
         return None
     rounds, values, cumulative = zip(*curve)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    others = secondary_metrics(metric, history)
+    fig, axes = plt.subplots(1, 2 + len(others), figsize=(5 * (2 + len(others)), 4))
     axes[0].plot(rounds, values, marker="o")
     axes[0].set(xlabel="round", ylabel=metric, title=f"{metric} vs round")
-    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no 0.5 ticks
+    for ax, other in zip(axes[2:], others):
+        points = [(r["round"], r["eval"][other]) for r in history if r.get("eval", {}).get(other) is not None]
+        ax.plot(*zip(*points), marker="o", color="C1")
+        ax.set(xlabel="round", ylabel=other, title=f"{other} vs round")
+    for ax in (axes[0], *axes[2:]):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no 0.5 ticks
     sent = [(b, v) for b, v in zip(cumulative, values) if b > 0]
     start = [v for b, v in zip(cumulative, values) if b == 0][:1]
     if sent:

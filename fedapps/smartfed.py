@@ -202,23 +202,54 @@ def model_overrides(cfg) -> str:
     return " ".join(parts)
 
 
-def open_pool(cfg, fingerprint: str) -> tuple[Pool, list[str], dict[str, ExpertSet]]:
-    """(pool, adapter names used, experts per target matrix) for this run, or a clear error."""
+def require_pool(cfg) -> tuple[Pool, list[str], str]:
+    """The run's knowledge pool (:func:`pool_dir`), opened, the names of the adapters the run takes from it, and
+    the command that builds it; SmartFedError in one line naming the fix (``postcard pool build``, ``postcard
+    pool add``, ``algorithm.pool``) when the folder is no pool, holds no adapter or lacks one that
+    ``algorithm.adapters`` names. Reads ``pool.json`` and the adapters' folder names only (no weights, no model):
+    checked before a run is submitted (:func:`ready`, ``fedapps.config.finalize``) and again by the server
+    (:func:`open_pool`), whose machine may be another."""
     path = pool_dir(cfg)
     build = "postcard pool build" + (f" --pool {path}" if cfg.algorithm.get("pool") else "")
     build += f" {model_overrides(cfg)}"
+    add = "postcard pool add RUN_DIR" + (f" --pool {path}" if cfg.algorithm.get("pool") else "")
     if not (path / POOL_FILE).is_file():
         raise SmartFedError(
-            f"no knowledge pool at {path}: fill it first with `{build}` "
-            "(or point algorithm.pool=DIR at an existing pool)"
+            f"no knowledge pool at {path}: fill it first with `{build}` (or `{add}` for a LoRA run of this model), "
+            "or point algorithm.pool=DIR at an existing pool"
         )
     try:
         pool = Pool(path)
     except PoolError as err:
         raise SmartFedError(str(err)) from None
+    except (OSError, ValueError) as err:  # pool.json unreadable: not JSON, not a file we may read
+        raise SmartFedError(f"{path / POOL_FILE} does not read ({str(err).splitlines()[0]}): rebuild the pool with "
+                            f"`{build}`, or point algorithm.pool=DIR at another pool") from None
     names = pool.names()
     if not names:
-        raise SmartFedError(f"the knowledge pool {path} holds no adapter: fill it with `{build}` or `postcard pool add RUN_DIR`")
+        raise SmartFedError(f"the knowledge pool {path} holds no adapter: fill it with `{build}` or `{add}`")
+    wanted = cfg.algorithm.get("adapters")
+    if wanted:
+        missing = sorted(set(map(str, wanted)) - set(names))
+        if missing:
+            raise SmartFedError(f"algorithm.adapters names {missing}, which the pool {path} lacks (it has {names})")
+        names = sorted(set(map(str, wanted)))
+    return pool, names, build
+
+
+def ready(cfg) -> None:
+    """What a SmartFed run needs besides its settings, before it is submitted: its knowledge pool
+    (:func:`require_pool`: refused in one line at once, not by the server after the run has started)."""
+    try:
+        require_pool(cfg)
+    except SmartFedError as err:
+        raise ConfigError(str(err)) from None
+
+
+def open_pool(cfg, fingerprint: str) -> tuple[Pool, list[str], dict[str, ExpertSet]]:
+    """(pool, adapter names used, experts per target matrix) for this run, or a clear error."""
+    pool, names, build = require_pool(cfg)  # as checked before submitting (ready), again on the server's machine
+    path = pool.path
     if pool.fingerprint != fingerprint:
         fresh = path.parent / f"{path.name}-{fingerprint[:8]}"  # beside this pool, named by the backbone
         raise SmartFedError(
@@ -228,12 +259,6 @@ def open_pool(cfg, fingerprint: str) -> tuple[Pool, list[str], dict[str, ExpertS
             f"{fingerprint}: point algorithm.pool=DIR at a pool built for this model, or build one with "
             f"`postcard pool build --pool {fresh} {model_overrides(cfg)}` and run with algorithm.pool={fresh}"
         )
-    wanted = cfg.algorithm.get("adapters")
-    if wanted:
-        missing = sorted(set(map(str, wanted)) - set(names))
-        if missing:
-            raise SmartFedError(f"algorithm.adapters names {missing}, which the pool {path} lacks (it has {names})")
-        names = sorted(set(map(str, wanted)))
     ours = backbone_descriptor(cfg)
     for name in names:
         theirs = pool.provenance(name).get("backbone")
@@ -357,7 +382,7 @@ def restore(cfg, run_dir):
     return model, tokenizer
 
 
-METHOD = Method("smartfed", prepare, train, evaluate, plan_server, restore, check=check,
+METHOD = Method("smartfed", prepare, train, evaluate, plan_server, restore, check=check, ready=ready,
                 errors=(SmartFedError, PoolError), own_combine=True,
                 export="SmartFed routes every token to its own rank-1 experts, which no static weights reproduce")
 
@@ -369,4 +394,6 @@ __all__ = [
     "open_pool",
     "plan_server",
     "prepare",
+    "ready",
+    "require_pool",
 ]

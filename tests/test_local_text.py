@@ -262,6 +262,44 @@ def test_every_method_trains_a_round_on_local_instructions(algorithm, tmp_path):
     assert 0.0 <= metrics["accuracy"] <= 1.0 and math.isfinite(metrics["loss"]), metrics
 
 
+def test_an_instruction_run_reports_its_response_perplexity_beside_its_accuracy(tmp_path, caplog):
+    """#60: task=instructions showed "accuracy 0 -> 0" in the console, summary.json and metrics.png while the
+    response perplexity (61 -> 28) was only in metrics.jsonl. The run reports both where a user looks: a
+    column of the round table, initial_/final_perplexity in summary.json, a panel of metrics.png; accuracy stays
+    the run's metric (initial_metric / final_metric, what comparisons read)."""
+    import logging
+
+    import matplotlib.pyplot as plt
+    from inprocess import run
+
+    from fedapps.outputs import read_metrics, run_figure
+
+    overrides = ["rounds=1", "train.local_steps=2", "eval.max_batches=1", "num_clients=2", f"output_dir={tmp_path}"]
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        summary = run(compose(overrides, task="instructions", preset="test"))
+    assert summary["metric"] == "accuracy" and summary["final_metric"] == summary["metric_by_round"]["1"]
+    history = read_metrics(summary["run_dir"])
+    ppl = [r["eval"]["perplexity"] for r in history]
+    assert summary["initial_perplexity"] == ppl[0] and summary["final_perplexity"] == ppl[-1]
+    assert summary["perplexity_by_round"] == {"0": ppl[0], "1": ppl[1]}
+    lines = [r.getMessage() for r in caplog.records]
+    (header,) = [line for line in lines if line.lstrip().startswith("round |")]
+    assert [c.strip() for c in header.split("|")][:3] == ["round", "accuracy", "perplexity"]
+    (row,) = [line for line in lines if line.split("|")[0].strip() == "1"]
+    assert row.split("|")[2].strip() == f"{ppl[1]:.4f}"
+    (final,) = [line for line in lines if line.startswith("Final accuracy:")]
+    assert "; perplexity " in final
+    fig = run_figure(history, "accuracy")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy", "accuracy", "perplexity"]
+    plt.close(fig)
+    # a task with one metric keeps its table, summary and plot
+    plain = [{"round": 0, "eval": {"perplexity": 9.0, "loss": 2.2}, "clients": []}]
+    from fedapps.outputs import secondary_metrics
+
+    assert secondary_metrics("perplexity", plain) == [] and len(run_figure(plain, "perplexity").axes) == 2
+    plt.close("all")
+
+
 def test_readmes_own_data_commands_compose_as_written(tmp_path):
     """#60: README's template example did not parse (Hydra's grammar); both its commands, split as a shell
     splits them (the data path made real), compose to the templates they name; a template file keeps

@@ -103,7 +103,7 @@ def test_model_gguf_is_converted_once_into_the_cache_and_names_the_run(gemma_dir
         shutil.copytree(gemma_dir, out, dirs_exist_ok=True)
 
     monkeypatch.setattr(assets, "convert_gguf", convert)
-    (tmp_path / "tiny-gemma3-Q8_0.gguf").write_bytes(b"GGUF")
+    _tiny_gguf(tmp_path / "tiny-gemma3-Q8_0.gguf", "gemma3")  # composing reads its header (a bare b"GGUF" is refused)
     cfg = compose([f"model.gguf={tmp_path / 'tiny-gemma3-Q8_0.gguf'}"], model="hf", preset="test")
     assert cfg.model.name == "tiny-gemma3-Q8_0" and cfg.model.group == "hf"
     folder = checkpoint_path(cfg.model)
@@ -243,6 +243,31 @@ def test_postcard_convert_and_model_gguf_read_a_gemma3_gguf(tmp_path, monkeypatc
     assert type(loaded).__name__ == "Gemma3ForCausalLM"
     assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
     assert (tmp_path / "cache").resolve() in Path(checkpoint_path(cfg.model)).resolve().parents
+
+
+def test_a_truncated_or_foreign_model_gguf_is_refused_when_composed_as_postcard_convert_refuses_it(tmp_path, capsys):
+    """#60: a truncated model.gguf (a download cut short) was refused by `postcard convert` in one line but failed a
+    run on every client, after 53 s, in 74 lines. Composing reads it as `postcard convert` does (header, metadata,
+    tensor infos; nothing converted) and refuses it in the same line; a whole file composes."""
+    from postcard.convert import main
+
+    whole, _ = _gemma3_gguf(tmp_path / "tiny-gemma3-F32.gguf")
+    data = whole.read_bytes()
+    (tmp_path / "foreign.gguf").write_bytes(b"not a gguf file at all")
+    cuts = {"cut-header.gguf": data[:1024], "cut-weights.gguf": data[:-100], "foreign.gguf": None}
+    for name, cut in cuts.items():
+        path = tmp_path / name
+        if cut is not None:
+            path.write_bytes(cut)
+        with pytest.raises(ConfigError) as err:
+            compose([f"model.gguf={path}"], model="hf", preset="test")
+        message = str(err.value)
+        assert message.startswith(f"{path} is not a readable GGUF file (truncated, or not GGUF: "), message
+        assert message.endswith("download it again or give another .gguf file") and "\n" not in message
+        assert main(["--gguf", str(path), "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"postcard convert: error: {message}\n"  # the same line
+    assert not (tmp_path / "out").exists()
+    assert compose([f"model.gguf={whole}"], model="hf", preset="test").model.name == "tiny-gemma3-F32"
 
 
 @pytest.mark.slow

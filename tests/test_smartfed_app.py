@@ -256,6 +256,52 @@ def test_missing_or_empty_pool_names_the_build_command(tiny, tmp_path):
             plan_server(compose(overrides, algorithm="smartfed", preset="test"), on_round_end=None, config_yaml="")
 
 
+def test_a_run_without_its_pool_is_refused_before_it_is_submitted(tiny, tmp_path, capsys):
+    """#60: SmartFed without a pool was refused by its server, 36 s after `postcard` submitted it. The server's
+    check (require_pool) is made before submitting, by finalize (`postcard`, postcard.app_run): one line naming
+    the fix, exit 2, no run folder. Composing a config to look at it (compose, `postcard --cfg job`) is not
+    refused, and a wrong setting is named before the pool."""
+    from inprocess import fake_pool
+
+    from fedapps.config import ConfigError, finalize
+    from fedapps.smartfed import SmartFedError, plan_server
+    from postcard import app_run
+
+    cfg, model, _ = tiny
+    nowhere = tmp_path / "nowhere"
+    composed = compose([f"algorithm.pool={nowhere}"], algorithm="smartfed", preset="test")  # to look at: composes
+    with pytest.raises(ConfigError) as err:
+        finalize(composed)
+    message = str(err.value)
+    assert message == (f"no knowledge pool at {nowhere}: fill it first with `postcard pool build --pool {nowhere} "
+                       f"model=tiny-llama seed=42` (or `postcard pool add RUN_DIR --pool {nowhere}` for a LoRA run of "
+                       "this model), or point algorithm.pool=DIR at an existing pool")
+    with pytest.raises(SmartFedError) as server:  # the server's own check: the same function, the same line
+        plan_server(composed, on_round_end=None, config_yaml="")
+    assert str(server.value) == message
+    runs = tmp_path / "runs"
+    status = app_run.main([str(app_run.ROOT), "--run-config", f"algorithm='smartfed' preset='test' "
+                           f"output-dir='{runs}' overrides='algorithm.pool={nowhere}'"])
+    assert status == 2 and capsys.readouterr().err == f"postcard.app_run: {message}\n"
+    assert not runs.exists()
+    # a setting's own error first; then an empty pool, a pool.json that does not read, an adapter it lacks
+    with pytest.raises(ConfigError, match="top_k must be >= 1"):
+        compose([f"algorithm.pool={nowhere}", "algorithm.top_k=0"], algorithm="smartfed", preset="test", ready=True)
+    Pool(tmp_path / "empty", backbone=model)
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "pool.json").write_text("{")
+    pool = fake_pool(tmp_path / "fake", model)
+    for overrides, reason in (([f"algorithm.pool={tmp_path / 'empty'}"], "holds no adapter: fill it with `postcard pool"
+                                                                         " build --pool"),
+                              ([f"algorithm.pool={tmp_path / 'garbled'}"], "pool.json does not read"),
+                              ([f"algorithm.pool={pool}", "algorithm.adapters=[other]"], "algorithm.adapters names "
+                                                                                         "['other'], which the pool")):
+        with pytest.raises(ConfigError, match=reason.replace("[", r"\[").replace("(", r"\(")) as err:
+            compose(overrides, algorithm="smartfed", preset="test", ready=True)
+        assert "\n" not in str(err.value)
+    assert finalize(compose([f"algorithm.pool={pool}"], algorithm="smartfed", preset="test")).algorithm.pool == pool
+
+
 def _fake_lora_run(folder, cfg, model):
     """A run folder as a LoRA run leaves it: config.yaml, summary.json, adapter/."""
     from clients.adapters import apply_lora
