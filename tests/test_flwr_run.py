@@ -81,9 +81,28 @@ def test_flwr_run_fedavg_lora_on_embedded_smollm2(tmp_path):
     assert f"Results in {run}" in log
 
 
+def test_a_preset_that_names_another_method_trains_it_under_plain_flwr_run(tmp_path):
+    """#60: through `flwr run .` the app's run-config defaults (once algorithm='fedavg-lora',
+    task='shakespeare') beat a preset's `override /algorithm`: `preset=fednl-cpu` trained FedAvg-LoRA. A
+    preset of one's own (run config `config-dir`) that names FedProx on the instruction task trains that."""
+    conf = tmp_path / "conf"
+    (conf / "preset").mkdir(parents=True)
+    (conf / "preset" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /algorithm: fedprox\n  - override /task: instructions\n"
+        "  - override /model: tiny-llama\nnum_clients: 2\nrounds: 1\ntrain:\n  local_steps: 2\n  seq_len: 32\n"
+        "eval:\n  max_batches: 1\n")
+    out = tmp_path / "runs"
+    proc = flwr_run(tmp_path, f"preset='mine' config-dir='{conf}' output-dir='{out}'")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    (summary,) = [json.loads(p.read_text()) for p in out.glob("*/summary.json")]
+    assert (summary["status"], summary["algorithm"], summary["task"]) == ("completed", "fedprox", "instructions"), summary
+    assert "final_perplexity" in summary  # the instruction task's response perplexity beside its accuracy
+
+
 def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experiment(tmp_path):
     """`flwr run --stream` exits 0 for a failed run; postcard.app_run exits 2 for a refused configuration
-    (at once), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes.
+    (at once: a bad key, SmartFed without a pool), 1 for a failed run (here through `postcard`, which submits with it), 0 when it completes.
     The runs go to a two-node Ray cluster (RAY_ADDRESS, docs/deploy.md §1). The completed runs are a
     Hydra sweep (`postcard -m algorithm=fedavg-lora,ffa-lora`: two `flwr run`s submitted through
     postcard.app_run, one comparison table in the sweep's folder; #40: this was a test of its own, with
@@ -110,15 +129,29 @@ def test_app_run_exits_with_how_the_run_ended_and_postcard_runs_the_same_experim
         assert refused.returncode == 2 and time.time() - start < 30, (refused.stdout + refused.stderr)[-3000:]
         assert refused.stderr.strip() == ("postcard.app_run: unknown config key 'train.lrr'; did you mean "
                                           "'train.lr' or 'train.threads'?")
-        # a run its server refuses (SmartFed without a pool): Flower reports it failed, in one line, and
-        # `postcard` (which submits through postcard.app_run) exits 1
-        failed = subprocess.run([sys.executable, "-m", "postcard.cli", "algorithm=smartfed", "preset=test",
+        # SmartFed without a pool: refused by `postcard` before anything is submitted (#60: once after 36 s)
+        start = time.time()
+        nopool = subprocess.run([sys.executable, "-m", "postcard.cli", "algorithm=smartfed", "preset=test",
                                  "rounds=1", f"algorithm.pool={tmp_path / 'no-pool'}", f"output_dir={out}"],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert nopool.returncode == 2 and time.time() - start < 30, (nopool.stdout + nopool.stderr)[-3000:]
+        assert nopool.stderr.strip().startswith("postcard: no knowledge pool at") and \
+            len(nopool.stderr.strip().splitlines()) == 1
+        # a run its server refuses (a pool built for another backbone: only the server reads that): Flower
+        # reports it failed, in one line, and `postcard` (which submits through postcard.app_run) exits 1
+        other = tmp_path / "other-pool"
+        (other / "a").mkdir(parents=True)
+        (other / "pool.json").write_text(json.dumps({"format": 1, "backbone_fingerprint": "0" * 16, "backbone": {
+            "model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1}}))
+        (other / "a" / "provenance.json").write_text("{}")
+        failed = subprocess.run([sys.executable, "-m", "postcard.cli", "algorithm=smartfed", "preset=test",
+                                 "rounds=1", f"algorithm.pool={other}", f"output_dir={out}"],
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert failed.returncode == 1, (failed.stdout + failed.stderr)[-3000:]
         assert "finished:failed" in failed.stderr
-        assert "no knowledge pool at" in failed.stdout + failed.stderr
+        assert "was built for backbone" in failed.stdout + failed.stderr
         assert "Traceback" not in failed.stdout + failed.stderr  # one line, not Flower's traceback of the ServerApp
+        assert "Since flwr 1.32" not in failed.stdout  # Flower's federation-size notes, filtered (#60)
         assert not out.exists()  # refused before any run folder
         # a sweep: `postcard -m`, each configuration `flwr run` through postcard.app_run, then one table
         sweeps = tmp_path / "cli"
