@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import protocol  # noqa: E402  bench/protocol.py: the one rule for "met"
+from postcard.stats import mean_ci95  # noqa: E402
 
 # method -> (algorithm, overrides, default learning rate)
 METHODS = {
@@ -375,18 +376,12 @@ def paired_gap(method_runs: list[dict], ref_runs: list[dict]) -> float:
 def gap_interval(method_runs: list[dict], ref_runs: list[dict] | None) -> tuple[float, float, float] | None:
     """Mean gap (pp) of the method to the reference over paired seeds, and its 95% t-interval;
     ``ref_runs`` None: to the no-training arm, each run's own round 0 (θ_pre on the same items)."""
-    from scipy import stats
-
     if ref_runs is None:
         gaps = [100 * (r["final_accuracy"] - r["initial_accuracy"]) for r in method_runs]
     else:
         ref = {r.get("seed", 0): r["final_accuracy"] for r in ref_runs}
         gaps = [100 * (r["final_accuracy"] - ref[r.get("seed", 0)]) for r in method_runs if r.get("seed", 0) in ref]
-    if len(gaps) < 2:
-        return None
-    mean, std = mean_std(gaps)
-    half = stats.t.ppf(0.975, len(gaps) - 1) * std / len(gaps) ** 0.5
-    return mean, mean - half, mean + half
+    return mean_ci95(gaps) if len(gaps) > 1 else None
 
 
 # ---------------------------------------------------------------------------- report

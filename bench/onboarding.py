@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import statistics
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from postcard import pool as pool_cli  # noqa: E402
+from postcard.stats import mean_half_width  # noqa: E402
 from fedapps.config import compose  # noqa: E402
 from smartfed import (HIGHER_IS_BETTER, add_run_arguments, check_unseen, first_round_reaching,  # noqa: E402
                       quick_argv, run_one, write_outputs)  # (bench/smartfed.py)
@@ -46,13 +46,9 @@ METHODS = ("fedavg-lora", "smartfed")
 
 
 def mean_interval(values: list[float]) -> tuple[float, float | None]:
-    """Mean and the half-width of its 95% t-interval (None for one value)."""
-    from scipy import stats
-
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)))
+    """Mean and the half-width of its 95% t-interval (None for one value): ``postcard.stats.mean_half_width``."""
+    mean, half = mean_half_width(values)
+    return mean, (half if len(values) > 1 else None)
 
 
 def fmt(value: float, half: float | None, digits: int = 2) -> str:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import protocol  # noqa: E402  bench/protocol.py
+from postcard.stats import mean_ci95  # noqa: E402
 from smartfed import add_run_arguments, check_unseen, quick_argv, run_one  # noqa: E402  bench/smartfed.py
 
 # arm -> (algorithm, overrides, the tuned key, its default grid)
@@ -195,16 +196,6 @@ def draft(runs: list[dict], args, base_settings: dict) -> dict:
             "changes_after_results": list(BEFORE_PROTOCOL)}
 
 
-def t_interval(values: list[float]) -> tuple[float, tuple[float, float] | None]:
-    from scipy import stats
-
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, None
-    half = float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5)
-    return mean, (mean - half, mean + half)
-
-
 def report(results: dict) -> str:
     spec, runs = results["protocol"], results["runs"]
     by_arm: dict[str, dict[int, dict]] = {}
@@ -231,9 +222,9 @@ def report(results: dict) -> str:
     for arm, seeds in by_arm.items():
         entry = spec["arms"][arm]
         key, value = next(iter(entry["best"].items()))
-        start = t_interval([r["initial_metric"] for r in seeds.values()])[0]
-        mean, interval = t_interval([r["final_metric"] for r in seeds.values()])
-        spread = f" ({interval[0]:.2f} to {interval[1]:.2f})" if interval else ""
+        start = statistics.fmean(r["initial_metric"] for r in seeds.values())
+        mean, low, high = mean_ci95([r["final_metric"] for r in seeds.values()])
+        spread = f" ({low:.2f} to {high:.2f})" if len(seeds) > 1 else ""
         lines.append(f"| {arm} | {key}={value:g} | {len(seeds)} | {start:.2f} | **{mean:.2f}**{spread} | "
                      f"{statistics.fmean(r['uplink_bytes_per_client_round'] for r in seeds.values()):,.0f} |")
     lines += ["", "## SmartFed − each baseline, paired by seed", ""]
@@ -245,7 +236,8 @@ def report(results: dict) -> str:
         if not paired:
             continue
         diffs = [ours[s]["final_metric"] - seeds[s]["final_metric"] for s in paired]
-        mean, interval = t_interval(diffs)
+        mean, low, high = mean_ci95(diffs)
+        interval = (low, high) if len(diffs) > 1 else None
         # the no-training arm: SmartFed's round 0 (the pool's mixture, never trained on the target) − the baseline
         untrained = statistics.fmean(ours[s]["initial_metric"] - seeds[s]["final_metric"] for s in paired)
         verdict = protocol.verdict(mean, interval, float(spec["margin"]), kind=spec["kind"], higher_is_better=False,

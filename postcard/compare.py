@@ -5,7 +5,8 @@
 Each run's final global model (``fedapps.final.load_run``) is scored on every client's
 held-out items, one by one (kept in the run folder as ``items-<key>.npz``, one file per
 scoring settings). The runs must score the same items (same task, partition, clients, seed
-and evaluation settings): a pairing of different items is refused. The report gives, per run:
+and evaluation settings): a pairing of different items is refused. The report gives, per run
+(the mean's intervals and McNemar's test are ``postcard.stats``'):
 
 * accuracy tasks (MMLU, NIAH, images): accuracy with its 95% Wilson interval; against the
   reference (the first run) the paired difference with its 95% interval (normal
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+from postcard.stats import Z95, mcnemar_p, mean_ci95, paired_ci95, standard_error
 
 
 class CompareError(ValueError):
@@ -50,24 +51,15 @@ def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
 def mcnemar_exact(ref: np.ndarray, other: np.ndarray) -> dict:
     """McNemar's exact test on paired 0/1 outcomes: the discordant counts and the two-sided p-value
     of a binomial test of ``other right, ref wrong`` against ``ref right, other wrong`` at 1/2."""
-    from scipy.stats import binomtest
-
     ref, other = np.asarray(ref) > 0.5, np.asarray(other) > 0.5
     gains, losses = int(np.sum(other & ~ref)), int(np.sum(ref & ~other))
-    p = 1.0 if gains + losses == 0 else float(binomtest(gains, gains + losses, 0.5).pvalue)
-    return {"other_right_ref_wrong": gains, "ref_right_other_wrong": losses, "p_value": p}
+    return {"other_right_ref_wrong": gains, "ref_right_other_wrong": losses, "p_value": mcnemar_p(gains, losses)}
 
 
 def paired_interval(differences: np.ndarray, *, t: bool) -> tuple[float, float, float]:
-    """(mean, low, high) of the mean of paired differences: a 95% t-interval, or the normal one."""
-    from scipy.stats import t as student
-
-    d = np.asarray(differences, np.float64)
-    mean = float(d.mean())
-    if len(d) < 2:
-        return mean, float("nan"), float("nan")
-    half = (student.ppf(0.975, len(d) - 1) if t else Z95) * float(d.std(ddof=1)) / math.sqrt(len(d))
-    return mean, mean - half, mean + half
+    """(mean, low, high) of the mean of paired differences: a 95% t-interval, or the normal one
+    (``postcard.stats.mean_ci95``)."""
+    return mean_ci95(differences, normal=not t)
 
 
 def noninferiority(differences: np.ndarray, margin: float) -> float:
@@ -79,7 +71,7 @@ def noninferiority(differences: np.ndarray, margin: float) -> float:
     d = np.asarray(differences, np.float64)
     if len(d) < 2:
         return float("nan")
-    se = float(d.std(ddof=1)) / math.sqrt(len(d))
+    se = standard_error(d)
     shift = float(d.mean()) + float(margin)
     if se == 0.0:
         return 0.0 if shift > 0 else 1.0
@@ -106,11 +98,11 @@ def compare(items: dict[str, dict], reference: str, metric: str, margin: float =
             right = int(np.sum(result["correct"] > 0.5))
             row.update(accuracy=right / len(result["correct"]), accuracy_ci95=wilson(right, len(result["correct"])))
         if name != reference:
-            mean, low, high = paired_interval(result["loss"] - ref["loss"], t=True)
+            mean, low, high = paired_ci95(result["loss"], ref["loss"])
             row["loss_diff"] = {"mean": mean, "ci95": (low, high),
                                 "p_value": float(ttest_rel(result["loss"], ref["loss"]).pvalue)}
             if "correct" in result:
-                mean, low, high = paired_interval(result["correct"] - ref["correct"], t=False)
+                mean, low, high = paired_ci95(result["correct"], ref["correct"], normal=True)
                 row["accuracy_diff"] = {"mean": mean, "ci95": (low, high), **mcnemar_exact(ref["correct"],
                                                                                           result["correct"]),
                                         "noninferior_p": noninferiority(result["correct"] - ref["correct"], margin)}

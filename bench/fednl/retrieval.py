@@ -286,9 +286,9 @@ def paired(items: dict[str, dict[str, dict]], lengths) -> dict:
     seeds the discordant pairs pooled (an exact binomial test), the accuracy difference, and for the
     ablation the share of the ablation → full-attention gap FedNL recovers."""
     import numpy as np
-    from scipy.stats import binomtest
 
     from postcard.compare import compare
+    from postcard.stats import mcnemar_p
 
     out: dict = {}
     others = sorted({k for runs in items.values() for k in runs} - {"fednl"})
@@ -310,7 +310,7 @@ def paired(items: dict[str, dict[str, dict]], lengths) -> dict:
                 n += len(sub[ref]["index"])
             if not per_seed:
                 continue
-            p = 1.0 if gains + losses == 0 else float(binomtest(gains, gains + losses, 0.5).pvalue)
+            p = mcnemar_p(gains, losses)
             out.setdefault(str(length), {})[ref] = {"per_seed": per_seed, "diff": float(np.sum(diffs) / n),
                                                     "gained": gains, "lost": losses, "p_value": p, "prompts": n}
         if "fednl-ablate" in out.get(str(length), {}) and "fedavg-lora" in out.get(str(length), {}):

@@ -81,14 +81,8 @@ def drop_interval(run: dict, questions: int) -> tuple[float, float, float]:
 
 
 def t_interval(values) -> dict:
-    """Mean, 95% t interval and the two-sided p of a one-sample t test against 0."""
-    import math
+    """Mean, 95% t interval and the two-sided p of a one-sample t test against 0 (``postcard.stats``)."""
+    from postcard.stats import mean_ci95, t_test_p
 
-    import numpy as np
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    mean, sem = float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
-    half = float(stats.t.ppf(0.975, len(x) - 1) * sem)
-    p = float(stats.ttest_1samp(x, 0.0).pvalue) if sem > 0 else (0.0 if mean != 0 else 1.0)
-    return {"mean": mean, "ci95": [mean - half, mean + half], "p": p, "n": int(len(x))}
+    mean, low, high = mean_ci95(values)
+    return {"mean": mean, "ci95": [low, high], "p": t_test_p(values), "n": len(values)}
