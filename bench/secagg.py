@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-STAGES = ("keys", "shares", "upload", "unmask", "finish")
+STAGES = ("keys", "shares", "deliver", "open", "upload", "unmask", "finish")
 
 
 def protocol_row(n: int, values: int, payload: str) -> dict:

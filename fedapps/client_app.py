@@ -104,6 +104,16 @@ def secagg_shares(msg: Message, context: Context) -> Message:
     return secure.answer_stage(msg, context)
 
 
+@app.train("secagg_deliver")
+def secagg_deliver(msg: Message, context: Context) -> Message:
+    return secure.answer_stage(msg, context)
+
+
+@app.train("secagg_open")
+def secagg_open(msg: Message, context: Context) -> Message:
+    return secure.answer_stage(msg, context)
+
+
 @app.train("secagg_unmask")
 def secagg_unmask(msg: Message, context: Context) -> Message:
     return secure.answer_stage(msg, context)

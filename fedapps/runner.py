@@ -206,14 +206,16 @@ class _Rounds:
 
 
 def _secure_train(rounds: _Rounds, strategy, server_round: int, messages) -> None:
-    """A training round under secure aggregation (strategies.secure_round): keys, shares, the
-    masked training replies, unmasking; each stage's replies make the next stage's messages."""
-    from strategies.secure_round import KEYS, SHARES, UNMASK
+    """A training round under secure aggregation (strategies.secure_round): keys, shares, the shares'
+    delivery (and, after a complaint, the accused dealers' opening), the masked training replies,
+    unmasking; each stage's replies make the next stage's messages."""
+    from strategies.secure_round import UNMASK
 
     stages = strategy.secure_stages
     messages = stages.begin(server_round, messages)
-    for phase, step in ((KEYS, stages.keys), (SHARES, stages.shares), ("train", stages.upload)):
-        messages = step(server_round, rounds.send(server_round, phase, messages))
+    while messages and messages[0].metadata.message_type != UNMASK:  # keys, shares, deliver, [open], train
+        phase = messages[0].metadata.message_type
+        messages = stages.step(phase, server_round, rounds.send(server_round, phase, messages))
     stages.finish(server_round, rounds.send(server_round, UNMASK, messages))
 
 

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
-from strategies.secure_round import (KEYS, RECORD, SHARES, UNMASK, SecureSettings, client_keys, client_mask,
-                                     client_shares, client_unmask)
+from strategies.secure_round import (DELIVER, KEYS, OPEN, RECORD, SHARES, UNMASK, SecureSettings, client_deliver,
+                                     client_keys, client_mask, client_open, client_shares, client_unmask)
 
 if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's settings from settings_of)
     from fedapps.method import ClientCall
@@ -62,6 +62,10 @@ def answer_stage(msg: Message, context: Context) -> Message:
         content = client_keys(msg, context.state, settings)
     elif kind == SHARES:
         content = client_shares(int(context.node_id), msg, context.state, settings)
+    elif kind == DELIVER:
+        content = client_deliver(int(context.node_id), msg, context.state, settings)
+    elif kind == OPEN:
+        content = client_open(int(context.node_id), msg, context.state, settings)
     elif kind == UNMASK:
         content = client_unmask(int(context.node_id), msg, context.state, settings)
     else:

@@ -9,19 +9,28 @@ ChaCha20 as the mask generator and ChaCha20-Poly1305 for the shares in transit
 
 One round, with ``n`` clients and threshold ``t``:
 
-1. *keys*: each client makes two X25519 key pairs, ``c`` (to encrypt shares) and ``s`` (to
-   agree on masks), and sends both public keys; the server relays the list to everyone.
+1. *keys*: each client makes two X25519 key pairs, ``c`` (its shares' holders' key) and ``s`` (to
+   agree on masks), and an Ed25519 key ``g`` (signs its complaints), and sends the public keys;
+   the server relays the list to everyone.
 2. *shares*: each client draws a self-mask seed ``b`` (16 bytes), splits ``b`` and its ``s``
    private key (2 × 16 bytes) into ``n`` Shamir shares with threshold ``t``, and sends share
-   ``i`` to the client of index ``i``, encrypted under their agreed ``c`` key; the server only
-   relays ciphertexts (it also keeps a SHA-256 commitment to ``b``, to check a reconstruction,
-   and the SHA-256 digest of every share dealt, :func:`share_digest`, relayed to each holder
-   with its shares). Every public key is checked first: canonical and not of low order.
-3. *masked input*: each client quantises its values to ``bits``-bit integers over a
+   ``i`` to the client of index ``i``, encrypted under a fresh ephemeral X25519 key of its own for
+   that holder (:func:`ephemeral_of`; the public half travels with the share) agreed with the
+   holder's ``c`` key; the server only relays ciphertexts (it also keeps a SHA-256 commitment to
+   ``b``, to check a reconstruction, and the SHA-256 digest of every share dealt,
+   :func:`share_digest`, relayed to each holder with its shares). Every public key is checked
+   first: canonical and not of low order.
+3. *deliver*: the server relays each holder's shares and digests; the holder checks every one
+   (:func:`share_problem`) before anyone masks, and signs a complaint (:func:`complaint_message`)
+   about each bad one; an accused dealer opens that share's ephemeral key — only for a complaint
+   its holder signed about a share it really sent, so that it reveals nothing its holder does not
+   have — and :func:`judge` convicts the dealer or the lying holder, with evidence anyone can
+   check. The participants left are the only ones anyone masks with.
+4. *masked input*: each client quantises its values to ``bits``-bit integers over a
    server-announced range (:class:`FixedPoint`, stochastic rounding: unbiased) and adds, mod
-   ``2^k``, the self mask ``PRG(b)`` and, for every other client ``v``, ``±PRG(s_uv)``
+   ``2^k``, the self mask ``PRG(b)`` and, for every other final participant ``v``, ``±PRG(s_uv)``
    (``+`` when ``u < v``): pairwise masks cancel in the sum.
-4. *unmask*: the server names who uploaded (``U3``) and who did not; each surviving client
+5. *unmask*: the server names who uploaded (``U3``) and who did not; each surviving client
    returns its shares of ``b`` of the uploaders and of the ``s`` key of the others (never
    both of one client), only shares that open and match their dealer's digest. The server reads
    each share at its holder's own index and checks it against the digest: a holder that lies is
@@ -47,8 +56,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from Crypto.Protocol.SecretSharing import Shamir
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -60,7 +70,10 @@ MAX_CLIENTS = 255  # Shamir share indices are one byte
 MAX_MODULUS_BITS = 32
 _SHARE = struct.Struct("<QQIH16s16s16s")  # owner, holder, round, index, b share, s_sk share (2 halves)
 _NONCE = 12
-SHARE_BLOB = _NONCE + _SHARE.size + 16  # an encrypted share: nonce, ciphertext, Poly1305 tag
+# an encrypted share: the dealer's ephemeral X25519 key for this holder, nonce, ciphertext, Poly1305 tag
+SHARE_BLOB = KEY_BYTES + _NONCE + _SHARE.size + 16
+HASH_BYTES = 32  # SHA-256 of an encrypted share, as a complaint names it
+SIGNATURE_BYTES = 64  # Ed25519
 
 
 class SecAggError(ValueError):
@@ -188,6 +201,41 @@ def _share_key(private_raw: bytes, public_raw: bytes, round_id: int) -> bytes:
     return _kdf(_agree(private_raw, public_raw), b"postcard-secagg shares %d" % round_id)
 
 
+def ephemeral_of(eph: bytes, round_id: int, holder: int) -> bytes:
+    """The dealer's ephemeral X25519 private key for ``holder``'s share (from its round secret ``eph``): the
+    share is encrypted under its agreement with the holder's ``c`` key, so opening it to a judge reveals
+    that one share and nothing else of the dealer's."""
+    return _kdf(eph, b"postcard-secagg ephemeral %d %d" % (round_id, holder))
+
+
+def share_hash(blob: bytes) -> bytes:
+    return hashlib.sha256(b"postcard-secagg blob" + bytes(blob)).digest()
+
+
+def complaint_message(round_id: int, dealer: int, holder: int, blob_hash: bytes) -> bytes:
+    """What a holder signs to say the share ``dealer`` sent it (``blob_hash``) is bad."""
+    return b"postcard-secagg complaint %d %d %d " % (round_id, dealer, holder) + bytes(blob_hash)
+
+
+def check_signing_key(raw, what: str) -> bytes:
+    """An Ed25519 public key: 32 bytes that decode."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != KEY_BYTES:
+        raise SecAggError(f"{what} must be {KEY_BYTES} bytes")
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes(raw))
+    except ValueError:
+        raise SecAggError(f"{what} is not an Ed25519 key") from None
+    return bytes(raw)
+
+
+def verify_signature(public_raw: bytes, signature: bytes, message: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes(public_raw)).verify(bytes(signature), message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 def commitment(seed: bytes) -> bytes:
     return hashlib.sha256(b"postcard-secagg seed" + seed).digest()
 
@@ -222,13 +270,24 @@ class ClientSecrets:
     c_private: bytes
     s_private: bytes
     seed: bytes = b""
+    g_private: bytes = b""  # Ed25519: signs this client's complaints about a dealer's share
+    eph: bytes = b""  # the round secret its shares' ephemeral keys derive from (ephemeral_of)
 
     @classmethod
     def new(cls) -> ClientSecrets:
-        return cls(_raw_private(X25519PrivateKey.generate()), _raw_private(X25519PrivateKey.generate()))
+        g = Ed25519PrivateKey.generate().private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                                       serialization.NoEncryption())
+        return cls(_raw_private(X25519PrivateKey.generate()), _raw_private(X25519PrivateKey.generate()), g_private=g)
 
     def public_keys(self) -> tuple[bytes, bytes]:
         return public_of(self.c_private), public_of(self.s_private)
+
+    def signing_key(self) -> bytes:
+        return Ed25519PrivateKey.from_private_bytes(self.g_private).public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    def sign(self, message: bytes) -> bytes:
+        return Ed25519PrivateKey.from_private_bytes(self.g_private).sign(message)
 
 
 def participants_of(public_keys: Mapping[int, tuple[bytes, bytes]]) -> list[int]:
@@ -266,6 +325,7 @@ def make_shares(me: int, secrets: ClientSecrets, public_keys: Mapping[int, tuple
     if len({public_keys[v][1] for v in nodes}) != len(nodes):
         raise SecAggError("two participants advertise the same key")
     secrets.seed = os.urandom(SEED_BYTES)
+    secrets.eph = os.urandom(KEY_BYTES)
     n = len(nodes)
     b_shares = Shamir.split(threshold, n, secrets.seed)
     s_low = Shamir.split(threshold, n, secrets.s_private[:16])
@@ -280,9 +340,10 @@ def make_shares(me: int, secrets: ClientSecrets, public_keys: Mapping[int, tuple
         if node == me:
             out[node] = plain  # kept by its owner, unencrypted (it never leaves the client)
             continue
-        nonce = os.urandom(_NONCE)
-        aad = struct.pack("<QQI", me, node, round_id)
-        out[node] = nonce + ChaCha20Poly1305(_share_key(secrets.c_private, public_keys[node][0], round_id)).encrypt(
+        nonce, e_raw = os.urandom(_NONCE), ephemeral_of(secrets.eph, round_id, node)
+        e_public = public_of(e_raw)
+        aad = struct.pack("<QQI", me, node, round_id) + e_public
+        out[node] = e_public + nonce + ChaCha20Poly1305(_share_key(e_raw, public_keys[node][0], round_id)).encrypt(
             nonce, plain, aad)
     return commitment(secrets.seed), out, digests
 
@@ -311,11 +372,24 @@ def open_share(me: int, secrets: ClientSecrets, owner: int, public_keys: Mapping
         blob = bytes(blob)
         if len(blob) != SHARE_BLOB:
             raise SecAggError(f"the share from node {owner} has {len(blob)} bytes")
-        try:
-            plain = ChaCha20Poly1305(_share_key(secrets.c_private, public_keys[owner][0], round_id)).decrypt(
-                blob[:_NONCE], blob[_NONCE:], struct.pack("<QQI", owner, me, round_id))
-        except InvalidTag as err:
-            raise SecAggError(f"the share from node {owner} does not authenticate") from err
+        e_public = _check_key(blob[:KEY_BYTES], f"the ephemeral key of node {owner}'s share")
+        plain = _decrypt(_share_key(secrets.c_private, e_public, round_id), blob, owner, me, round_id)
+        if plain is None:
+            raise SecAggError(f"the share from node {owner} does not authenticate")
+    return _read_plain(plain, owner, me, round_id)
+
+
+def _decrypt(key: bytes, blob: bytes, owner: int, holder: int, round_id: int) -> bytes | None:
+    """A share blob's plaintext under ``key``, or None when it does not authenticate."""
+    e_public, rest = blob[:KEY_BYTES], blob[KEY_BYTES:]
+    try:
+        return ChaCha20Poly1305(key).decrypt(rest[:_NONCE], rest[_NONCE:],
+                                             struct.pack("<QQI", owner, holder, round_id) + e_public)
+    except InvalidTag:
+        return None
+
+
+def _read_plain(plain: bytes, owner: int, me: int, round_id: int) -> tuple[int, bytes, bytes]:
     if len(plain) != _SHARE.size:
         raise SecAggError(f"the share from node {owner} has the wrong size")
     got_owner, holder, got_round, index, b_share, s_low, s_high = _SHARE.unpack(plain)
@@ -361,6 +435,45 @@ def reveal(me: int, secrets: ClientSecrets, shares: Mapping[int, bytes], public_
     return out
 
 
+def share_problem(me: int, secrets: ClientSecrets, owner: int, public_keys, blob: bytes, round_id: int,
+                  digest: bytes) -> str | None:
+    """Why the share ``owner`` dealt this client is bad (it does not open, is addressed elsewhere, or either
+    half is not what the dealer's published ``digest`` says), or None: what a holder checks as its shares
+    arrive, before anyone masks (a bad one is a signed complaint, :func:`complaint_message`)."""
+    try:
+        _, b_share, s_share = open_share(me, secrets, owner, public_keys, blob, round_id)
+    except SecAggError as err:
+        return str(err)
+    digest = bytes(digest or b"")
+    if digest != share_digest("b", owner, me, round_id, b_share) + share_digest("s", owner, me, round_id, s_share):
+        return f"the share from node {owner} is not the one its digest names"
+    return None
+
+
+def judge(dealer: int, holder: int, blob: bytes, e_private: bytes, holder_c_key: bytes, digest: bytes,
+          round_id: int) -> str | None:
+    """A complaint settled from what the dealer sent and opened: why the *dealer* cheated (its opened
+    ephemeral key is not the one its share names, or under it the share does not open, is addressed
+    elsewhere or does not match its digest), or None when the share is good — then the complaining
+    holder lied. Anyone holding the relayed share, the dealer's digest and its opened key can check it."""
+    blob = bytes(blob)
+    if len(blob) != SHARE_BLOB or len(bytes(e_private)) != KEY_BYTES:
+        return "its share or its opened key has the wrong size"
+    if public_of(bytes(e_private)) != blob[:KEY_BYTES]:
+        return "the key it opened is not the one its share was encrypted to"
+    plain = _decrypt(_share_key(bytes(e_private), holder_c_key, round_id), blob, dealer, holder, round_id)
+    if plain is None:
+        return f"its share to node {holder} does not open under the key it opened"
+    try:
+        _, b_share, s_share = _read_plain(plain, dealer, holder, round_id)
+    except SecAggError as err:
+        return str(err)
+    if bytes(digest or b"") != (share_digest("b", dealer, holder, round_id, b_share)
+                                + share_digest("s", dealer, holder, round_id, s_share)):
+        return f"its share to node {holder} is not the one its published digest names"
+    return None
+
+
 # ---------------------------------------------------------------------- server side
 class SecAggCheat(SecAggError):
     """A round that cannot be finished because of what named clients provably did (``culprits``:
@@ -401,10 +514,9 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
     aside and it is added to ``liars`` ({node: why}). No search over subsets: any ``threshold``
     verified shares give the secret. SecAggError when fewer than ``threshold`` clients revealed
     or a secret has fewer than ``threshold`` verified shares; :class:`SecAggCheat` naming the
-    dealer when its verified shares disagree or do not give the secret it committed to, or when
-    more than ``max(n − threshold, 1)`` of the revealing holders hold no valid share of it (an honest
-    holder reveals every share that matches its dealer's digest, so only a dealer that dealt bad
-    shares, or more dishonest holders than the threshold tolerates, can cause that)."""
+    dealer when its verified shares disagree or do not give the secret it committed to (evidence: its
+    digests, its commitment and the shares). Too few verified shares of a secret is a SecAggError naming
+    the holders that withheld theirs, never a ban."""
     uploaded = sorted(int(v) for v in masked)
     dropped = sorted(set(participants_of(public_keys)) - set(uploaded))
     order = list(positions) if positions is not None else participants_of(public_keys)
@@ -444,15 +556,13 @@ def unmask(masked: Mapping[int, np.ndarray], public_keys: Mapping[int, tuple[byt
         pieces = [(index_of[h], mine[owner][1]) for h, mine in good.items()
                   if owner in mine and mine[owner][0] == kind]
         if len(pieces) < threshold:
-            message = (f"the {what} of node {owner} cannot be reconstructed: {len(pieces)} verified shares, "
-                       f"fewer than the threshold {threshold}")
-            withheld = sum(1 for mine in good.values() if owner not in mine)
-            # more holders than the threshold tolerates, and more than one (one dishonest holder must not be
-            # able to frame an honest dealer, even at t = n): the dealer's fault
-            if withheld > max(len(order) - threshold, 1):
-                why = f"{withheld} holders had no valid share of it (it dealt them bad shares)"
-                raise SecAggCheat(f"{message}; node {owner} cheated: {why}", {owner: why})
-            raise SecAggError(message)
+            # never a ban: a count of missing shares is no evidence (two colluders withholding their shares of an
+            # honest node once got it banned, #62 finding 3); a dealer's bad shares are caught, with evidence,
+            # when they arrive (share_problem, judge), before anyone masks
+            withheld = sorted(h for h, mine in good.items() if owner not in mine)
+            raise SecAggError(f"the {what} of node {owner} cannot be reconstructed: {len(pieces)} verified shares, "
+                              f"fewer than the threshold {threshold}"
+                              + (f" (withheld by nodes {', '.join(map(str, withheld[:8]))})" if withheld else ""))
         secret = _combine(pieces, threshold)
         if not (_consistent(pieces, threshold, secret) and check(secret)):
             why = f"its {len(pieces)} verified shares do not give the {what} it committed to"

@@ -2,15 +2,21 @@
 
 :mod:`strategies.secagg` is the protocol; this module puts it on Flower's Message API (both
 ends: the server's :class:`SecureRound`, the client's ``client_*`` functions). A secure
-round is four exchanges, each a message type of its own (``train.<action>``; the ClientApp
-registers one function per action):
+round is five exchanges (six after a complaint), each a message type of its own
+(``train.<action>``; the ClientApp registers one function per action):
 
-* ``train.secagg_keys``: server → sampled nodes: round, n. Reply: the node's two public keys.
+* ``train.secagg_keys``: server → sampled nodes: round, n. Reply: the node's public keys (``c``,
+  ``s``: X25519; ``g``: Ed25519).
 * ``train.secagg_shares``: server → nodes that answered: everyone's keys, threshold t, bits,
-  clip. Reply: a commitment to the node's self-mask seed and one encrypted share per other node.
-* ``train``: the method's usual training message + the shares addressed to the node. Reply:
-  the masked update (``postcard.secagg`` arrays: uint8, uint16 or uint32 residues mod 2^k,
-  the update's keys and shapes).
+  clip. Reply: a commitment to the node's self-mask seed, one encrypted share per other node,
+  the digests of every share it dealt.
+* ``train.secagg_deliver``: server → participants: the shares addressed to the node and their
+  dealers' digests. Reply: its signed complaints about the bad ones (none: empty).
+* ``train.secagg_open`` (only after a complaint): server → accused dealers: the complaints.
+  Reply: each complained-about share's ephemeral key (:func:`strategies.secagg.judge` settles it).
+* ``train``: the method's usual training message + the final participants' keys. Reply: the
+  masked update (``postcard.secagg`` arrays: uint8, uint16 or uint32 residues mod 2^k, the
+  update's keys and shapes).
 * ``train.secagg_unmask``: server → uploaders: who uploaded, who did not. Reply: the node's
   shares of the uploaders' seeds and of the others' mask keys.
 
@@ -36,7 +42,8 @@ from strategies.secagg import ClientSecrets, FixedPoint, SecAggError
 RECORD = "secagg"  # the ConfigRecord of every secure-aggregation message and reply
 STYPE = "postcard.secagg"
 KEYS, SHARES, UNMASK = "train.secagg_keys", "train.secagg_shares", "train.secagg_unmask"
-STAGES = (KEYS, SHARES, UNMASK)
+DELIVER, OPEN = "train.secagg_deliver", "train.secagg_open"
+STAGES = (KEYS, SHARES, DELIVER, OPEN, UNMASK)
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,13 @@ class SecureRound:
         self.threshold = settings.threshold_for(self.n)
         self.layout = {k: tuple(int(s) for s in v) for k, v in sorted(layout.items())}
         self.public: dict[int, tuple[bytes, bytes]] = {}
+        self.signing: dict[int, bytes] = {}  # node -> its Ed25519 key (signs its complaints)
         self.commitments: dict[int, bytes] = {}
+        self.delivered: set[int] = set()  # holders that checked their shares (the deliver stage)
+        self.complaints: dict[int, list[tuple[int, bytes, bytes]]] = {}  # dealer -> [(holder, hash, signature)]
+        self.convicted: dict[int, str] = {}  # node -> what it provably did (evidence: the settled complaint)
+        self.evidence: list[dict] = []  # each settled complaint, as anyone can check it again (hex)
+        self.final: list[int] | None = None  # the participants who mask: set once the complaints are settled
         self.mail: dict[int, dict[int, bytes]] = {}  # recipient -> {sender: encrypted share}
         self.masked: dict[int, np.ndarray] = {}
         self.dropped: dict[int, str] = {}  # node -> why it left the round
@@ -138,7 +151,8 @@ class SecureRound:
 
     def _keys_record(self, nodes: list[int]) -> dict:
         return {"nodes": _ids(nodes), "c-keys": b"".join(self.public[v][0] for v in nodes),
-                "s-keys": b"".join(self.public[v][1] for v in nodes)}
+                "s-keys": b"".join(self.public[v][1] for v in nodes),
+                "g-keys": b"".join(self.signing[v] for v in nodes)}
 
     def keys_messages(self) -> list[Message]:
         return [Message(RecordDict({RECORD: _config(self._header())}), dst_node_id=v, message_type=KEYS)
@@ -152,9 +166,11 @@ class SecureRound:
                 keys = (record.get("c-key"), record.get("s-key"))
                 for name, key in zip(("c", "s"), keys):  # a low-order key would break every honest agreement
                     secagg.check_public_key(key, f"its {name} key")
+                signing = secagg.check_signing_key(record.get("g-key"), "its g key")
                 if keys[1] in {k[1] for k in self.public.values()}:
                     raise SecAggError("it advertises another node's key")
                 self.public[int(node)] = keys
+                self.signing[int(node)] = signing
             except SecAggError as err:
                 self._drop(node, f"keys: {err}")
         nodes = sorted(self.public)
@@ -194,21 +210,113 @@ class SecureRound:
 
     @property
     def participants(self) -> list[int]:
-        """Nodes whose masks every uploader includes (they completed stage 2)."""
-        return sorted(self.commitments)
+        """Nodes whose masks every uploader includes: those that completed stage 2, then (once the deliver
+        stage's complaints are settled) those of them that checked their shares and were not caught."""
+        return list(self.final) if self.final is not None else sorted(self.commitments)
+
+    def deliver_messages(self) -> list[Message]:
+        """Each participant's shares and their dealers' digests, to check before anyone masks."""
+        nodes = sorted(self.commitments)
+        out = []
+        for node in nodes:
+            mail = self.mail.get(node, {})
+            senders = [v for v in nodes if v != node and v in mail]
+            content = {**self._header(), **self._keys_record(nodes), "from": _ids(senders),
+                       "shares": b"".join(mail[v] for v in senders),
+                       "digests": b"".join(self.digests[v][node] for v in senders)}
+            out.append(Message(RecordDict({RECORD: _config(content)}), dst_node_id=node, message_type=DELIVER))
+        return out
+
+    def take_deliver(self, replies: Mapping[int, Message]) -> list[Message]:
+        """The holders' complaints -> the open stage's messages to the accused dealers (none: no complaint).
+        A complaint must name a share this holder was sent (its hash) and carry the holder's signature; a
+        holder that did not answer leaves the round before anyone masks with it."""
+        participants = set(self.commitments)
+        for node, msg in replies.items():
+            node = int(node)
+            if node not in participants:
+                continue
+            try:
+                record = _record(msg)
+                accused = _nodes(record, "accused")
+                hashes = _split(record, "hashes", secagg.HASH_BYTES)
+                signatures = _split(record, "signatures", secagg.SIGNATURE_BYTES)
+                if not len(accused) == len(hashes) == len(signatures) or len(set(accused)) != len(accused):
+                    raise SecAggError("accused, hashes and signatures must describe as many complaints")
+                mail = self.mail.get(node, {})
+                for dealer, blob_hash, signature in zip(accused, hashes, signatures):
+                    if dealer not in mail or secagg.share_hash(mail[dealer]) != blob_hash:
+                        raise SecAggError(f"it complained about a share of node {dealer} it was not sent")
+                    if not secagg.verify_signature(self.signing[node], signature, secagg.complaint_message(
+                            self.round, dealer, node, blob_hash)):
+                        raise SecAggError(f"its complaint about node {dealer} does not carry its signature")
+                for dealer, blob_hash, signature in zip(accused, hashes, signatures):
+                    self.complaints.setdefault(dealer, []).append((node, blob_hash, signature))
+                self.delivered.add(node)
+            except SecAggError as err:
+                self._drop(node, f"deliver: {err}")
+        for node in sorted(participants - self.delivered):
+            self._drop(node, "deliver: it did not check its shares")
+        accused = sorted(d for d in self.complaints if d in self.delivered)
+        out = []
+        for dealer in accused:
+            holders = [h for h, _, _ in self.complaints[dealer]]
+            content = {**self._header(), "holders": _ids(holders),
+                       "hashes": b"".join(x for _, x, _ in self.complaints[dealer]),
+                       "signatures": b"".join(g for _, _, g in self.complaints[dealer])}
+            out.append(Message(RecordDict({RECORD: _config(content)}), dst_node_id=dealer, message_type=OPEN))
+        if not out:
+            self._settle()
+        return out
+
+    def take_open(self, replies: Mapping[int, Message]) -> None:
+        """The accused dealers' opened keys: each complaint settled (:func:`strategies.secagg.judge`) — the
+        dealer or the holder convicted, with the evidence kept. A dealer that does not open a complaint it
+        was shown leaves the round (no ban: silence is no evidence)."""
+        for dealer in sorted(self.complaints):
+            if dealer not in self.delivered:
+                continue
+            opened: dict[int, bytes] = {}
+            msg = replies.get(dealer)
+            try:
+                if msg is None:
+                    raise SecAggError("no answer")
+                record = _record(msg)
+                holders, keys = _nodes(record, "holders"), _split(record, "ephemerals", secagg.KEY_BYTES)
+                if len(holders) != len(keys):
+                    raise SecAggError("holders and ephemerals must be as many")
+                opened = dict(zip(holders, keys))
+            except SecAggError as err:
+                self._drop(dealer, f"open: {err}")
+            for holder, blob_hash, signature in self.complaints[dealer]:
+                if holder not in opened:
+                    self._drop(dealer, f"open: it did not open its share to node {holder}, whose complaint "
+                                       "carries that node's signature")
+                    continue
+                blob, digest = self.mail[holder][dealer], self.digests[dealer][holder]
+                why = secagg.judge(dealer, holder, blob, opened[holder], self.public[holder][0], digest, self.round)
+                culprit, what = (dealer, why) if why else (
+                    holder, f"it signed a complaint about node {dealer}'s share, which is good")
+                self.convicted.setdefault(culprit, what)
+                self._drop(culprit, f"convicted: {what}")
+                self.evidence.append({"dealer": dealer, "holder": holder, "convicted": culprit, "why": what,
+                                      "share": bytes(blob).hex(), "opened_key": bytes(opened[holder]).hex(),
+                                      "digest": bytes(digest).hex(), "complaint_signature": bytes(signature).hex(),
+                                      "holder_signing_key": self.signing[holder].hex()})
+        self._settle()
+
+    def _settle(self) -> None:
+        """The participants who mask: checked their shares, not dropped, not convicted. SecAggError below t."""
+        self.final = sorted(v for v in self.delivered if v not in self.dropped)
+        self._check_count(self.final, "deliver")
 
     def attach(self, message: Message) -> Message | None:
-        """The training message of a participant with its shares and the participants' keys;
-        None for a node that left the round."""
+        """The training message of a final participant with the participants' keys (the nodes it masks
+        with); None for a node that left the round."""
         node = int(message.metadata.dst_node_id)
-        if node not in self.commitments:
+        if self.final is None or node not in self.final:
             return None
-        nodes = self.participants
-        mail = self.mail.get(node, {})
-        senders = [v for v in nodes if v != node and v in mail]
-        content = {**self._header(), **self._keys_record(nodes), "from": _ids(senders),
-                   "shares": b"".join(mail[v] for v in senders),
-                   "digests": b"".join(self.digests[v][node] for v in senders)}
+        content = {**self._header(), **self._keys_record(self.final)}
         message.content[RECORD] = _config(content)
         return message
 
@@ -301,7 +409,7 @@ def _secrets(state: RecordDict, server_round: int) -> tuple[ClientSecrets, Confi
         raise SecAggError(f"this node holds no secure-aggregation secrets for round {server_round} "
                           "(it missed an earlier stage)")
     kept = state.config_records[_STATE]
-    return ClientSecrets(kept["c"], kept["s"], kept.get("seed", b"")), kept
+    return ClientSecrets(kept["c"], kept["s"], kept.get("seed", b""), kept.get("g", b""), kept.get("eph", b"")), kept
 
 
 def _keys_of(record: ConfigRecord) -> dict[int, tuple[bytes, bytes]]:
@@ -311,6 +419,13 @@ def _keys_of(record: ConfigRecord) -> dict[int, tuple[bytes, bytes]]:
     if not len(nodes) == len(c_keys) == len(s_keys) or len(set(nodes)) != len(nodes):
         raise SecAggError("the participants' list is malformed")
     return {v: (c, s) for v, c, s in zip(nodes, c_keys, s_keys)}
+
+
+def _signing_of(record: ConfigRecord) -> dict[int, bytes]:
+    nodes, keys = _nodes(record, "nodes"), _split(record, "g-keys", secagg.KEY_BYTES)
+    if len(nodes) != len(keys):
+        raise SecAggError("the participants' signing keys are malformed")
+    return dict(zip(nodes, keys))
 
 
 def _round_of(record: ConfigRecord, settings: SecureSettings) -> tuple[int, FixedPoint, int]:
@@ -324,9 +439,10 @@ def client_keys(msg: Message, state: RecordDict, settings: SecureSettings) -> Re
     """Stage 1 on a node: new secrets for this round (kept in ``state``), the public keys as the reply."""
     server_round, _, _ = _round_of(_record(msg), settings)
     secrets = ClientSecrets.new()
-    state[_STATE] = ConfigRecord({"round": server_round, "c": secrets.c_private, "s": secrets.s_private})
+    state[_STATE] = ConfigRecord({"round": server_round, "c": secrets.c_private, "s": secrets.s_private,
+                                  "g": secrets.g_private})
     c_key, s_key = secrets.public_keys()
-    return RecordDict({RECORD: ConfigRecord({"c-key": c_key, "s-key": s_key})})
+    return RecordDict({RECORD: ConfigRecord({"c-key": c_key, "s-key": s_key, "g-key": secrets.signing_key()})})
 
 
 def client_shares(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
@@ -344,12 +460,17 @@ def client_shares(me: int, msg: Message, state: RecordDict, settings: SecureSett
         raise SecAggError(f"the server asks for threshold {record.get('threshold')}, {record.get('bits')} bits, "
                           f"clip {record.get('clip')}; this run's settings give {threshold}, {fixed.bits}, "
                           f"{fixed.clip}")
+    signing = _signing_of(record)
+    if set(signing) != set(public):
+        raise SecAggError("the participants' signing keys do not match their list")
     secrets, kept = _secrets(state, server_round)
     commitment, out, digests = secagg.make_shares(me, secrets, public, threshold, server_round)
-    kept["seed"] = secrets.seed
+    kept["seed"], kept["eph"] = secrets.seed, secrets.eph
     kept["own-share"] = out.pop(me)
     kept["threshold"], kept["dealt"] = threshold, _ids(sorted(public))
     kept["dealt-keys"] = b"".join(public[v][0] + public[v][1] for v in sorted(public))
+    kept["dealt-g"] = b"".join(signing[v] for v in sorted(public))
+    kept["sent"] = b"".join(secagg.share_hash(out[v]) if v in out else bytes(secagg.HASH_BYTES) for v in sorted(public))
     to = sorted(out)
     return RecordDict({RECORD: _config({"commitment": commitment, "to": _ids(to),
                                              "shares": b"".join(out[v] for v in to),
@@ -365,10 +486,69 @@ def _dealt(kept: ConfigRecord) -> tuple[int, dict[int, tuple[bytes, bytes]]]:
     return int(kept["threshold"]), {v: (p[:secagg.KEY_BYTES], p[secagg.KEY_BYTES:]) for v, p in zip(nodes, pairs)}
 
 
+def _dealt_signing(kept: ConfigRecord) -> dict[int, bytes]:
+    return dict(zip(_nodes(kept, "dealt"), _split(kept, "dealt-g", secagg.KEY_BYTES)))
+
+
+def client_deliver(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
+    """The deliver stage on a node: the shares dealt to it checked against their dealers' digests before
+    anyone masks; each bad one a complaint signed with this node's key (the share's hash, so only a share
+    this node was really sent can be named). The shares are kept for the unmask stage."""
+    record = _record(msg)
+    server_round, _, _ = _round_of(record, settings)
+    secrets, kept = _secrets(state, server_round)
+    _, dealt = _dealt(kept)
+    public = _keys_of(record)
+    if public != dealt:
+        raise SecAggError("the participants' keys are not those this node dealt its shares to")
+    senders, blobs = _nodes(record, "from"), _split(record, "shares", secagg.SHARE_BLOB)
+    digests = _split(record, "digests", secagg.DIGEST_BYTES)
+    if not len(senders) == len(blobs) == len(digests) or not set(senders) <= set(public) - {me}:
+        raise SecAggError("the relayed shares are malformed")
+    accused, hashes, signatures = [], [], []
+    for sender, blob, digest in zip(senders, blobs, digests):
+        if secagg.share_problem(me, secrets, sender, public, blob, server_round, digest) is not None:
+            blob_hash = secagg.share_hash(blob)
+            accused.append(sender)
+            hashes.append(blob_hash)
+            signatures.append(secrets.sign(secagg.complaint_message(server_round, sender, me, blob_hash)))
+    for key in ("from", "shares", "digests"):  # kept for the unmask stage
+        if key in record:
+            kept[key] = record[key]
+    return RecordDict({RECORD: _config({"accused": _ids(accused), "hashes": b"".join(hashes),
+                                        "signatures": b"".join(signatures)})})
+
+
+def client_open(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
+    """The open stage on an accused dealer: for each complaint signed by its holder about a share this node
+    really sent (its hash), the ephemeral key of that one share — what a judge needs to settle it, which
+    reveals that share only (its holder has it already). A complaint it cannot verify is not opened."""
+    record = _record(msg)
+    server_round, _, _ = _round_of(record, settings)
+    secrets, kept = _secrets(state, server_round)
+    signing = _dealt_signing(kept)
+    sent = dict(zip(_nodes(kept, "dealt"), _split(kept, "sent", secagg.HASH_BYTES)))
+    holders = _nodes(record, "holders")
+    hashes = _split(record, "hashes", secagg.HASH_BYTES)
+    signatures = _split(record, "signatures", secagg.SIGNATURE_BYTES)
+    if not len(holders) == len(hashes) == len(signatures):
+        raise SecAggError("the complaints are malformed")
+    opened, keys = [], []
+    for holder, blob_hash, signature in zip(holders, hashes, signatures):
+        if holder == me or sent.get(holder) != blob_hash or holder not in signing:
+            continue  # not a share this node sent that holder
+        if not secagg.verify_signature(signing[holder], signature, secagg.complaint_message(
+                server_round, me, holder, blob_hash)):
+            continue  # not that holder's complaint: opening would hand its share to whoever forged it
+        opened.append(holder)
+        keys.append(secagg.ephemeral_of(secrets.eph, server_round, holder))
+    return RecordDict({RECORD: _config({"holders": _ids(opened), "ephemerals": b"".join(keys)})})
+
+
 def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettings,
                 values: Mapping[str, np.ndarray], rng: np.random.Generator) -> tuple[ArrayRecord, float]:
-    """Stage 3 on a node: its values (any keys; sorted order) masked, as ``postcard.secagg`` arrays,
-    and the fraction of values clipped to ±clip. The shares relayed to it are kept for stage 4."""
+    """Stage 3 on a node: its values (any keys; sorted order) masked with the final participants' pair
+    masks, as ``postcard.secagg`` arrays, and the fraction of values clipped to ±clip."""
     record = _record(msg)
     server_round, _, _ = _round_of(record, settings)
     secrets, kept = _secrets(state, server_round)
@@ -380,12 +560,10 @@ def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettin
                           "or this node is not among them")
     if any(dealt.get(v) != keys for v, keys in public.items()):
         raise SecAggError("the participants' keys are not those this node dealt its shares to")
-    senders, blobs = _nodes(record, "from"), _split(record, "shares", secagg.SHARE_BLOB)
-    digests = _split(record, "digests", secagg.DIGEST_BYTES)
-    if not len(senders) == len(blobs) == len(digests):
-        raise SecAggError("the relayed shares are malformed")
+    if "from" not in kept and len(dealt) > 1:
+        raise SecAggError("this node checked no shares in this round (it missed the deliver stage)")
     kept["uploaded"] = True
-    for key in ("nodes", "c-keys", "s-keys", "from", "shares", "digests"):  # kept for stage 4
+    for key in ("nodes", "c-keys", "s-keys"):  # kept for stage 4
         if key in record:
             kept[key] = record[key]
     keys = sorted(values)
@@ -426,14 +604,16 @@ def client_unmask(me: int, msg: Message, state: RecordDict, settings: SecureSett
 # ---------------------------------------------------------------------- both ends in one process
 def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, server_round: int = 1,
                 skip_upload: Iterable[int] = (), skip_unmask: Iterable[int] = (), records: Mapping | None = None,
-                tamper=None, timings: dict | None = None, hostile: Mapping | None = None) -> dict:
+                tamper=None, timings: dict | None = None, hostile: Mapping | None = None,
+                skip_deliver: Iterable[int] = (), skip_open: Iterable[int] = ()) -> dict:
     """One secure round of ``strategy`` (a PayloadFedAvg with ``secure`` settings) with in-process
     clients, no Flower runtime: the same messages and checks as a run (tests and benchmarks).
 
-    ``updates``: {node: {key: update}}; nodes in ``skip_upload`` vanish after the shares stage,
-    those in ``skip_unmask`` after uploading. ``records``: extra records in every training reply;
+    ``updates``: {node: {key: update}}; nodes in ``skip_deliver`` vanish after the shares stage, in
+    ``skip_open`` do not answer the open stage, in ``skip_upload`` vanish before uploading, those in
+    ``skip_unmask`` after uploading. ``records``: extra records in every training reply;
     ``tamper(replies)`` may change the training replies before the server sees them, and
-    ``hostile[stage](replies)`` any stage's (``KEYS``, ``SHARES``, ``"train"``, ``UNMASK``). ``timings``
+    ``hostile[stage](replies)`` any stage's (``KEYS``, ``SHARES``, ``DELIVER``, ``OPEN``, ``"train"``, ``UNMASK``). ``timings``
     collects seconds per (stage, 'server' | 'client', summed over clients). Returns the round's record so far
     (per-client bytes, the secure-aggregation summary, refusals)."""
     import time
@@ -453,7 +633,8 @@ def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, se
     def answer(stage, msgs, fn, skip=()):
         replies = [Message(timed(stage, "client", fn, m), reply_to=m) for m in msgs
                    if m.metadata.dst_node_id not in skip]
-        stage_type = {"keys": KEYS, "shares": SHARES, "upload": "train", "unmask": UNMASK}[stage]
+        stage_type = {"keys": KEYS, "shares": SHARES, "deliver": DELIVER, "open": OPEN, "upload": "train",
+                      "unmask": UNMASK}[stage]
         if hostile and stage_type in hostile:
             hostile[stage_type](replies)
         return replies
@@ -468,7 +649,12 @@ def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, se
     replies = answer("keys", msgs, lambda m: client_keys(m, states[node(m)], settings))
     msgs = timed("shares", "server", strategy.secure_stages.keys, server_round, replies)
     replies = answer("shares", msgs, lambda m: client_shares(node(m), m, states[node(m)], settings))
-    msgs = timed("upload", "server", strategy.secure_stages.shares, server_round, replies)
+    msgs = timed("deliver", "server", strategy.secure_stages.shares, server_round, replies)
+    replies = answer("deliver", msgs, lambda m: client_deliver(node(m), m, states[node(m)], settings), skip_deliver)
+    msgs = timed("open", "server", strategy.secure_stages.deliver, server_round, replies)
+    if msgs and msgs[0].metadata.message_type == OPEN:  # a holder complained: the accused dealers open
+        replies = answer("open", msgs, lambda m: client_open(node(m), m, states[node(m)], settings), skip_open)
+        msgs = timed("upload", "server", strategy.secure_stages.open, server_round, replies)
 
     def upload(m):
         arrays, _ = client_mask(node(m), m, states[node(m)], settings, updates[node(m)],

@@ -1,9 +1,10 @@
 """The server's side of a secure round, as a collaborator of :class:`~strategies.base.PayloadFedAvg`.
 
-The runner drives a secure round as ``begin -> keys -> shares -> upload -> finish``
-(:mod:`strategies.secure_round` is the protocol on Flower messages); each step takes the
-previous stage's replies and returns the next stage's messages (``[]`` once the round is
-abandoned: below the threshold). Each stage's replies are screened as any reply is
+The runner drives a secure round as ``begin -> keys -> shares -> deliver [-> open] -> upload -> finish``
+(:mod:`strategies.secure_round` is the protocol on Flower messages; :meth:`SecureStages.step` picks the
+step by the phase just answered); each step takes the previous stage's replies and returns the next
+stage's messages (``[]`` once the round is abandoned: below the threshold). ``open`` runs only when a
+holder complained about a share: each complaint is settled there and the convicted node excluded. Each stage's replies are screened as any reply is
 (:mod:`strategies.screening`); a node whose key, share or reveal is bad is dropped from the
 round and refused by name; a provable cheat is excluded from the run (``strategy.ban``).
 :meth:`SecureStages.finish` hands the revealed sum of the uploaders' masked updates to the
@@ -21,7 +22,7 @@ from strategies import codec
 from strategies.codec import PayloadError
 from strategies.screening import CONFIG_RECORD, NUM_EXAMPLES, screen
 from strategies.secagg import SecAggCheat, SecAggError
-from strategies.secure_round import KEYS, SHARES, UNMASK, SecureRound, SecureSettings
+from strategies.secure_round import DELIVER, KEYS, OPEN, SHARES, UNMASK, SecureRound, SecureSettings
 
 
 class SecureStages:
@@ -62,11 +63,38 @@ class SecureStages:
         return self._sent(SHARES, out) if taken else []
 
     def shares(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
-        """The nodes' encrypted shares -> the training messages, each with the shares addressed to its node."""
-        secure = self.round
+        """The nodes' encrypted shares -> the deliver stage's messages, each with the shares addressed to its node."""
         taken, _ = self._take(SHARES, SecureRound.take_shares, replies)
+        return self._sent(DELIVER, self.round.deliver_messages()) if taken else []
+
+    def deliver(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The holders' complaints -> the open stage's messages to the accused dealers, or, with no complaint,
+        the training messages."""
+        taken, out = self._take(DELIVER, SecureRound.take_deliver, replies)
         if not taken:
             return []
+        return self._sent(OPEN, out) if out else self._training()
+
+    def open(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The accused dealers' opened keys -> each complaint settled (the convicted node excluded from the
+        run, the evidence in the round's record) -> the training messages of the final participants."""
+        secure = self.round
+        taken, _ = self._take(OPEN, SecureRound.take_open, replies)
+        if secure is not None:
+            for node, why in sorted(secure.convicted.items()):
+                self.strategy.ban(node, f"secure aggregation, round {server_round}: {why}")
+            if secure.evidence:
+                self.ledger.current.setdefault("secure_evidence", []).extend(secure.evidence)
+        return self._training() if taken else []
+
+    def step(self, phase: str, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The next messages of a secure round after the replies to ``phase`` (the runner's loop)."""
+        steps = {KEYS: self.keys, SHARES: self.shares, DELIVER: self.deliver, OPEN: self.open, "train": self.upload}
+        return steps[phase](server_round, replies)
+
+    def _training(self) -> list[Message]:
+        """The method's training messages of the final participants, each with their keys (what it masks with)."""
+        secure = self.round
         before = {id(m): codec.message_bytes(m.content) for m in self.train}
         out = [m for m in (secure.attach(m) for m in self.train) if m is not None]
         for msg in out:
