@@ -14,6 +14,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from fedapps.channel import received_state, server_channel, settings_of
+from strategies.channel import LatentSync
+from fedapps.filemodes import secure_tree
 from fedapps.method import (ClientCall, FinalStateError, Method, ServerPlan, Update, final_file, strategy_settings,
                             uplink_kwargs)
 from fedapps.session import uplink_record
@@ -90,7 +92,8 @@ def load_global(call: ClientCall) -> dict[str, torch.Tensor]:
     from clients.adapters import load_federated_state
 
     s = call.session
-    values = received_state(call.cfg, call.arrays, s.extra.get("initial", {}))
+    values = received_state(call.cfg, call.arrays, s.extra.get("initial", {}), store=call.context.state,
+                            since=int(call.config.get(LatentSync.SINCE, 0) or 0))
     state = {k: torch.from_numpy(v) for k, v in values.items()}
     load_federated_state(s.model, state)
     return state
@@ -164,6 +167,8 @@ def save_adapter(model, cfg, global_state: dict[str, np.ndarray], run_dir) -> di
     targets = [config.target_modules for config in model.peft_config.values()]  # names, or one regex string
     embeddings = any(name in (t if isinstance(t, str) else set(t or ())) for t in targets for name in EMBEDDING_LAYER_NAMES)
     model.save_pretrained(str(target), save_embedding_layers=embeddings)
+    for folder in (target, run_dir / "base_model"):
+        secure_tree(folder)  # fedapps.filemodes: the run folder's files are its user's
     return {"final_state": str(target)}
 
 

@@ -203,15 +203,50 @@ def server_channel(cfg, initial_state: dict[str, np.ndarray]) -> LatentChannel |
 _REPLAYED: dict = {}  # (settings, shapes) -> (the history replayed so far, θ_fed after it): one per process
 
 
-def received_state(cfg, arrays, initial: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+STORE, STORE_SYNCED = "postcard.latent-history", "postcard.latent-synced"  # a node's context.state records
+
+
+def _merged_history(arrays, store, since: int):
+    """A latent downlink's rounds (only those after ``since``, the node's last confirmed round, when
+    ``since`` > 0) joined to the rounds the node kept in ``store`` (its ``context.state``), which then keeps
+    them all: the node's whole history, as an ArrayRecord."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    if store is None:
+        if since:
+            raise codec.PayloadError(f"latent downlink: the rounds after {since} only, and this node keeps none")
+        return arrays
+    kept = store.array_records.get(STORE) if STORE in store.array_records else None
+    held = int(store.config_records[STORE_SYNCED]["through"]) if STORE_SYNCED in store.config_records else 0
+    if since and (kept is None or held < since):
+        raise codec.PayloadError(f"latent downlink: the rounds after {since} only, but this node holds rounds up to "
+                                 f"{held} (it lost its state): the server sends them all next time")
+    merged = ArrayRecord()
+    if since:
+        for key in kept.keys():
+            if history_rounds([key])[0][0] <= since:
+                merged[key] = kept[key]
+    for key in arrays.keys():
+        merged[key] = arrays[key]
+    rounds = history_rounds(list(merged.keys()))
+    store[STORE] = merged
+    store[STORE_SYNCED] = ConfigRecord({"through": rounds[-1][0] if rounds else 0})
+    return merged
+
+
+def received_state(cfg, arrays, initial: dict[str, np.ndarray], store=None, since: int = 0) -> dict[str, np.ndarray]:
     """The federated tensors a downlink carries: decoded (the method's own downlink), or, with
     ``channel.downlink=latent``, replayed from ``initial`` (θ_fed,0, which the client builds as the
-    server did) through every round's combined latents, as the server added them. A process keeps its
-    last replay and adds only the rounds that are new (an actor serves many messages)."""
+    server did) through every round's combined latents, as the server added them: those it was sent
+    (the rounds after ``since``, its last confirmed one) and those it kept in ``store`` (its node's
+    ``context.state``). A process keeps its last replay and adds only the rounds that are new (an actor
+    serves many messages)."""
     settings = settings_of(cfg)
     if settings is None or settings.downlink != "latent":
         return codec.decode(arrays)
     try:
+        history_rounds(list(arrays.keys()))
+        arrays = _merged_history(arrays, store, int(since or 0))
         rounds = history_rounds(list(arrays.keys()))
     except ValueError as err:
         raise codec.PayloadError(f"latent downlink: {err}") from None

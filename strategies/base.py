@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from strategies import codec, compress, packing, robust
-from strategies.channel import LATENT_KEY, LatentChannel, apply_update, history_key
+from strategies.channel import LATENT_KEY, LatentChannel, LatentSync, apply_update, history_key
 from strategies.codec import PayloadError
 from strategies.ledger import RoundLedger, RoundRecord
 from strategies.privacy import Privacy
@@ -201,6 +201,7 @@ class PayloadFedAvg(FedAvg):
         self.sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
         self._downlink: ArrayRecord | None = None  # downlink_arrays() of the current global state
         self.configured_nodes: set[int] = set()
+        self.latent_sync = LatentSync()  # a latent downlink: the rounds each node holds (it is sent the rest)
 
     # ------------------------------------------------------------------ the round ledger
     @property
@@ -274,11 +275,15 @@ class PayloadFedAvg(FedAvg):
 
     def _messages(self, base: Iterable[Message], server_round: int, phase: str, config: ConfigRecord) -> list[Message]:
         self._start_round(server_round)
-        arrays = self.downlink_arrays()
+        shared = self.downlink_arrays()
         out = []
         for template in base:
             node_id = template.metadata.dst_node_id
             node_cfg = ConfigRecord(dict(config))
+            arrays = shared
+            if self.latent_downlink:  # only the rounds this node has not confirmed (strategies.channel.LatentSync)
+                node_cfg[LatentSync.SINCE] = self.latent_sync.since(node_id)
+                arrays = self.latent_sync.record_for(node_id, self.latent_history, shared)
             if phase == "train":
                 node_cfg = self.train_config_for(server_round, node_id, node_cfg)
             content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: node_cfg})
@@ -356,17 +361,28 @@ class PayloadFedAvg(FedAvg):
         self.opt_state = (OptimizerState.from_arrays(int(saved["t"]), moments, list(expected)) if saved
                           else OptimizerState())
         self.configured_nodes = set()  # a resumed run is a new Flower run: every node needs the config again
+        self.latent_sync = LatentSync()  # ... and holds no latent round
         self.ledger.current = {}
 
     # ------------------------------------------------------------------ reading a reply
     def screen(self, replies: Iterable[Message], phase: str) -> list[Reply]:
         """Client errors, identity and metrics of a phase's replies (:func:`strategies.screening.screen`):
         the ones that pass, with their metrics; each refusal in the round's record."""
-        return screen(replies, sent=self.sent.get(phase, []), phase=phase, refuse=self.ledger.refuse,
-                      read_metrics=lambda msg: self.reply_metrics(msg, phase),
-                      # e.g. a restarted SuperNode that lost the run's configuration: send it again next time
-                      on_error=self.configured_nodes.discard,
-                      label="training" if phase == "train" else "evaluation", server_round=self.ledger.round)
+        passed = screen(replies, sent=self.sent.get(phase, []), phase=phase, refuse=self.ledger.refuse,
+                        read_metrics=lambda msg: self.reply_metrics(msg, phase),
+                        # e.g. a restarted SuperNode that lost the run's configuration (and its latent history):
+                        # send it again next time
+                        on_error=self.node_lost,
+                        label="training" if phase == "train" else "evaluation", server_round=self.ledger.round)
+        for reply in passed:  # it answered: it holds the latent rounds it was sent
+            self.latent_sync.confirmed(reply.node)
+        return passed
+
+    def node_lost(self, node_id: int) -> None:
+        """A node that answered with an error: its next message carries the run's config and the whole
+        latent history again."""
+        self.configured_nodes.discard(int(node_id))
+        self.latent_sync.lost(node_id)
 
     def reply_metrics(self, msg: Message, phase: str = "train") -> dict:
         """A reply's checked metrics (:func:`check_metrics`); a method with a reply form of its own reads them there."""

@@ -22,7 +22,8 @@ latent space moves θ_fed by at most ``max_k c_k · C`` (:meth:`LatentChannel.ga
 
 The downlink is the method's own (θ_fed dense), or, with ``downlink="latent"``, every round's
 combined latents so far (one array per round, :func:`history_key`, in ``downlink_format``
-or the uplink's: ``r × 648`` bytes after ``r`` rounds of 1,280 int4 latents): a client replays them
+or the uplink's: 648 bytes a round of 1,280 int4 latents; each node is sent the rounds it has not
+confirmed, :class:`LatentSync`, and keeps the rest): a client replays them
 from its own θ_fed,0 (:func:`replay`) with the same arithmetic the server used
 (:func:`apply_update`), so both hold the same θ_fed bit for bit.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from flwr.app import Array, ArrayRecord
 
 LATENT_KEY = "latent"  # the one tensor a latent-channel reply carries
 HISTORY_PREFIX = f"{LATENT_KEY}/round-"  # + the round (5 digits): one combined z of a latent downlink
@@ -154,3 +156,42 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) >= 2:
         return shape[0], int(np.prod(shape[1:]))
     return 1, int(np.prod(shape)) if shape else 1
+
+
+class LatentSync:
+    """Which rounds of a latent downlink each node holds, so that a node is sent only the rounds it has
+    not confirmed (#63: every message once carried the whole history, r × 648 B after r rounds).
+
+    A node confirms the rounds of a message by answering it (any accepted reply: training or evaluation);
+    an error reply (a restarted node, a node that lost its store) forgets it, so its next message carries
+    the whole history again. Server memory: one int per node that ever answered (a resumed run, a new
+    Flower run whose nodes hold nothing, starts empty)."""
+
+    SINCE = "latent-since"  # the config key of a message: its history holds the rounds after this one
+
+    def __init__(self) -> None:
+        self.synced: dict[int, int] = {}  # node -> the last round it holds
+        self.sending: dict[int, int] = {}  # node -> the last round of the message in flight to it
+
+    def since(self, node: int) -> int:
+        return self.synced.get(int(node), 0)
+
+    def record_for(self, node: int, history: list[tuple[int, Array]], full: ArrayRecord) -> ArrayRecord:
+        """The rounds of ``history`` after the node's last confirmed one (``full`` when that is all of them)."""
+        since = self.since(node)
+        self.sending[int(node)] = history[-1][0] if history else 0
+        if since == 0:
+            return full
+        record = ArrayRecord()
+        for t, array in history:
+            if t > since:
+                record[history_key(t)] = array
+        return record
+
+    def confirmed(self, node: int) -> None:
+        node = int(node)
+        if node in self.sending:
+            self.synced[node] = max(self.synced.get(node, 0), self.sending[node])
+
+    def lost(self, node: int) -> None:
+        self.synced.pop(int(node), None)

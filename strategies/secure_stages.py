@@ -180,7 +180,7 @@ class SecureStages:
         sizes and contents are checked by the stage itself."""
         out: dict[int, Message] = {}
         for reply in screen(replies, sent=self.strategy.sent.get(phase, []), phase=phase, refuse=self.ledger.refuse,
-                            on_error=self.strategy.configured_nodes.discard, all_failed_raises=False):
+                            on_error=self.strategy.node_lost, all_failed_raises=False):
             out[reply.node] = reply.msg
             try:
                 self.ledger.add_bytes(reply.node, "secagg_uplink_bytes", codec.message_bytes(reply.msg.content))

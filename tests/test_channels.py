@@ -338,3 +338,47 @@ def test_a_latent_downlink_in_fp32_moves_the_model_exactly_as_the_dense_downlink
     with pytest.raises(ConfigError, match="channel.downlink_format must be"):
         compose(["channel.downlink=latent", "channel.downlink_format=int8"], preset="test", algorithm="fedavg-lora",
                 channel="latent")
+
+
+def test_a_latent_downlink_sends_each_client_only_the_rounds_it_missed(tmp_path, monkeypatch):
+    """#63: with channel.downlink=latent every message carried the whole history (r × 648 B after r rounds).
+    Now a client is sent the rounds after the last one it confirmed (by answering), keeps them in its node's
+    state, and replays the same model: 4 clients, half sampled a round, the run's metrics bit-identical to
+    the whole-history run's, and each message's downlink at most (rounds it missed + 1) × 648 B."""
+    import random
+
+    from inprocess import run
+    from strategies.channel import LatentSync
+
+    def one(folder):
+        random.seed(0)
+        cfg = compose(["num_clients=4", "rounds=4", "strategy.fraction_train=0.5", "strategy.fraction_evaluate=0.5",
+                       "train.local_steps=2", "channel.rank=128", "channel.downlink=latent", f"output_dir={folder}"],
+                      preset="test", algorithm="fedavg-lora", channel="latent")
+        return run(cfg)
+
+    missed = one(tmp_path / "missed")
+    records = [__import__("json").loads(line) for line in
+               open(f"{missed['run_dir']}/metrics.jsonl").read().splitlines()]
+    answered: dict[int, int] = {}  # node -> the last round whose message it answered (it holds rounds < that)
+    for record in records[1:]:
+        r = record["round"]
+        for client in record["clients"]:
+            node = client["node_id"]
+            if "train_downlink_payload_bytes" in client:
+                held = answered.get(node, 1) - 1
+                assert client["train_downlink_payload_bytes"] <= (r - 1 - held) * 648 + 1, (node, r, held)
+        for client in record["clients"]:
+            answered[client["node_id"]] = r
+    assert sum(c.get("train_downlink_payload_bytes", 0) for rec in records for c in rec["clients"]) > 0
+    monkeypatch.setattr(LatentSync, "since", lambda self, node: 0)  # the whole history to everyone, as before
+    whole = one(tmp_path / "whole")
+    assert missed["metric_by_round"] == whole["metric_by_round"]
+    assert missed["uplink_bytes_per_client_round"] == whole["uplink_bytes_per_client_round"] == 648
+
+    def downlink(summary):
+        lines = open(f"{summary['run_dir']}/metrics.jsonl").read().splitlines()
+        return sum(c.get(f"{p}_downlink_payload_bytes", 0) for line in lines
+                   for c in __import__("json").loads(line)["clients"] for p in ("train", "eval"))
+
+    assert downlink(missed) < downlink(whole)
