@@ -29,6 +29,7 @@ import numpy as np
 from flwr.common.logger import log
 from omegaconf import OmegaConf
 
+from fedapps.filemodes import file_mode
 from fedapps.outputs import RunDir, output_root
 
 CHECKPOINT = "checkpoint.npz"
@@ -65,6 +66,7 @@ def save(run_dir: str | Path, *, server_round: int, cfg, arrays: dict[str, np.nd
     payload = {f"{_PREFIX}{k}": np.ascontiguousarray(v) for k, v in arrays.items()}
     payload[_META] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
     with open(tmp, "wb") as handle:
+        os.fchmod(handle.fileno(), file_mode())  # private before a byte is written (fedapps.filemodes)
         np.savez(handle, **payload)
         handle.flush()
         os.fsync(handle.fileno())

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from fedapps.filemodes import private_dir, private_file, secure_tree
 from fedapps.method import FinalStateError
 
 
@@ -103,6 +104,7 @@ class FinalModel:
         out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         try:
             np.savez(cache, key=key, **out)
+            private_file(cache)
         except OSError:  # a read-only run folder: the items are just not kept
             pass
         return out
@@ -138,7 +140,7 @@ class FinalModel:
             model = export(model)
         elif hasattr(model, "merge_and_unload"):  # a PEFT model
             model = model.merge_and_unload()
-        target.mkdir(parents=True, exist_ok=True)
+        private_dir(target)
         if self.cfg.model.kind == "causal_lm":
             model.save_pretrained(str(target))
             self.tokenizer.save_pretrained(str(target))
@@ -151,6 +153,7 @@ class FinalModel:
             "run_dir": str(self.run_dir), "algorithm": name, "task": str(self.cfg.task.name),
             "model": str(self.cfg.model.name), "final_metric": self.summary.get("final_metric"),
             "metric": str(self.cfg.task.metric)}, indent=1) + "\n")
+        secure_tree(target)
         self.model = model
         return target
 

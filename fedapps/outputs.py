@@ -3,6 +3,10 @@
 ``<output_dir>/<run_name>/`` where ``output_dir`` defaults to ``$POSTCARD_OUTPUTS`` or
 ``./outputs`` (made absolute at start: a ServerApp's working directory is the
 SuperLink's, so relative paths would land somewhere surprising).
+
+The folder is its user's alone (``fedapps.filemodes``): made ``0700``, its files ``0600`` (what
+the run writes after each round, and the whole folder again when the run ends or fails), unless
+``POSTCARD_UMASK`` says otherwise (``027``: the group may read; ``022``: everyone, as before).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flwr.common.logger import log
 from omegaconf import OmegaConf
 
 from fedapps.config import to_yaml
+from fedapps.filemodes import private_dir, private_file, secure_tree
 
 
 def output_root(cfg) -> Path:
@@ -60,13 +65,15 @@ class RunDir:
             while path.exists():
                 suffix += 1
                 path = output_root(cfg) / f"{name}-{suffix}"
-            path.mkdir(parents=True)
+            private_dir(path, exist_ok=False)
         else:
-            path.mkdir(parents=True, exist_ok=True)
+            private_dir(path)
+            secure_tree(path)  # a folder continued (resume) keeps nothing readable that a new one would not
         self.path = path
         self.cfg = cfg
         self.metric = str(cfg.task.metric)
         (path / "config.yaml").write_text(to_yaml(cfg))
+        private_file(path / "config.yaml")
         self._header_printed = False
 
     @classmethod
@@ -77,6 +84,7 @@ class RunDir:
         out = cls(cfg, path)
         tmp = path / ".metrics.jsonl.tmp"
         tmp.write_text("".join(json.dumps(record) + "\n" for record in history))
+        private_file(tmp)
         tmp.replace(path / "metrics.jsonl")
         (path / "summary.json").unlink(missing_ok=True)
         return out
@@ -85,6 +93,7 @@ class RunDir:
     def write_round(self, record: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
+        private_file(self.path / "metrics.jsonl")
         self._print_row(record)
         if self.cfg.get("tracking") == "tensorboard":
             self._track(record)
@@ -98,6 +107,7 @@ class RunDir:
         for tag, value in round_scalars(record).items():
             self._writer.add_scalar(tag, value, global_step=int(record["round"]))
         self._writer.flush()
+        secure_tree(self.path / "tensorboard")
 
     def _close_tracking(self) -> None:
         if getattr(self, "_writer", None) is not None:
@@ -133,6 +143,7 @@ class RunDir:
                    "last_round": max((r["round"] for r in history), default=None),
                    "algorithm": self.cfg.algorithm.name, "task": self.cfg.task.name, "run_dir": str(self.path)}
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        secure_tree(self.path)
         log(INFO, "Run failed (%s); marked in %s", reason, self.path / "summary.json")
 
     def finish(self, history: list[dict], extra: dict | None = None) -> dict:
@@ -145,6 +156,7 @@ class RunDir:
             plot_run(history, self.metric, self.path, run_title(self.cfg))
         except Exception as err:  # a plot must never lose the run's results
             log(INFO, "plots skipped: %s", err)
+        secure_tree(self.path)  # and what the method's save_final wrote (adapter/, final_state.safetensors, ...)
         others = "".join(f"; {m} {_fmt(summary.get(f'final_{m}'))} (round 0: {_fmt(summary.get(f'initial_{m}'))})"
                          for m in secondary_metrics(self.metric, history))
         log(INFO, "Final %s: %s (round 0: %s)%s; uplink %s bytes per client per round",  # full precision: summary.json

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psutil
 
+from fedapps.filemodes import private_dir, private_file, umask
 from postcard.certs import (  # noqa: F401  (re-exported: postcard.deploy.make_certificates, ...)
     CA_CERT, CA_KEY, LOOPBACK, SERVER_CERT, SERVER_KEY, layout_secrets, make_certificates, make_node_keys,
 )
@@ -175,6 +176,14 @@ class LoopbackCluster:
     registered keys survive a restart of it, as ``--database`` does in a real deployment);
     False keeps it in memory, Flower's default, which no lock timeout can stop.
 
+    ``gate_options``: more ``postcard.fleetgate`` arguments of the SuperLink, e.g.
+    ``("--fleet-header-timeout", "4")``.
+
+    Files: ``folder`` is private (``fedapps.filemodes``: mode ``0700`` unless ``POSTCARD_UMASK`` says
+    otherwise), its logs ``0600``, and every process is started with the umask of ``POSTCARD_UMASK``
+    (default ``077``): the SuperLink's ``state.db``, the SuperNodes' and workers' files and the run
+    folders the ServerApp writes are readable by this user alone.
+
     ``warm``: each SuperNode runs with ``--isolation process`` (as ``postcard.supernode``) beside a
     warm node worker (``postcard.worker``: one long-lived process runs the node's ClientApp messages and keeps
     the prepared model for the run; its log ``logs/worker-<i>.log``, one JSON line per message
@@ -188,6 +197,7 @@ class LoopbackCluster:
     supernode_nice: int = 10
     persistent: bool = True
     warm: bool = False
+    gate_options: tuple[str, ...] = ()  # more postcard.fleetgate arguments for the SuperLink
     port: int = 0  # every API, on 127.0.0.1
     fleet_port: int = 0  # the Fleet API alone, on fleet_host
     fleet_host: str = FLEET_LOOPBACK
@@ -196,9 +206,9 @@ class LoopbackCluster:
     registered: dict[int, str] = field(default_factory=dict)  # node index -> SuperLink node id
 
     def __post_init__(self) -> None:
-        self.folder = Path(self.folder).resolve()
+        self.folder = private_dir(Path(self.folder).resolve())
         for name in ("superlink", "cli", "logs"):
-            (self.folder / name).mkdir(parents=True, exist_ok=True)
+            private_dir(self.folder / name)
         self.port = self.port or free_port(LOOPBACK)
         self.fleet_port = self.fleet_port or free_port(self.fleet_host)
         self.secrets = layout_secrets(self.folder / "secrets", self.nodes,
@@ -242,7 +252,7 @@ class LoopbackCluster:
         if self.superlink is not None and self.superlink.poll() is None:
             raise DeployError("the SuperLink is already running")
         home = self.folder / "superlink"
-        log = open(self.folder / "logs" / "superlink.log", "a")
+        log = _open_log(self.folder / "logs" / "superlink.log")
         cmd = [
             sys.executable, "-m", "postcard.fleetgate",
             "--fleet-host", self.fleet_host, "--fleet-port", str(self.fleet_port),
@@ -253,10 +263,11 @@ class LoopbackCluster:
             "--host", LOOPBACK, "--port", str(self.port),
             *(["--database", str(home / "state.db")] if self.persistent else []),
             "--disable-runtime-dependency-installation",
+            *self.gate_options,
         ]
         # the ServerApp runs in the SuperLink's working directory (run folders use absolute paths anyway)
         self.superlink = subprocess.Popen(cmd, cwd=home, env=flower_env(home), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True, umask=umask())
         log.close()
         self._wait_port(self.superlink, self.port, wait, self.folder / "logs" / "superlink.log")
         self._wait_port(self.superlink, self.fleet_port, wait, self.folder / "logs" / "superlink.log",
@@ -279,8 +290,8 @@ class LoopbackCluster:
         """Start one ``flower-supernode`` on the Fleet address (TLS, authenticated with ``key``);
         ``isolation='process'``: without its ``flower-superexec`` (see :meth:`spawn_worker`), as
         ``postcard.supernode`` (the same SuperNode with shorter waits, docs/deploy.md section 9)."""
-        home.mkdir(parents=True, exist_ok=True)
-        handle = open(log, "a")
+        private_dir(home)
+        handle = _open_log(log)
         supernode = [sys.executable, "-m", "postcard.supernode"] if isolation == "process" else \
             [executable("flower-supernode")]
         cmd = [
@@ -294,7 +305,7 @@ class LoopbackCluster:
             *(["--isolation", isolation] if isolation != "subprocess" else []),
         ]
         proc = subprocess.Popen(cmd, cwd=home, env=flower_env(home), stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, umask=umask())
         handle.close()
         return proc
 
@@ -302,12 +313,12 @@ class LoopbackCluster:
         """Start the warm node worker (``postcard.worker``) beside SuperNode ``node``: it polls the
         node's Runtime API (plain HTTP on 127.0.0.1) and stops when the SuperNode does."""
         node.events = self.folder / "logs" / f"worker-{node.index}.jsonl"
-        handle = open(self.folder / "logs" / f"worker-{node.index}.log", "a")
+        handle = _open_log(self.folder / "logs" / f"worker-{node.index}.log")
         cmd = [*self._nice(), sys.executable, "-m", "postcard.worker",
                "--runtime-api-address", f"{LOOPBACK}:{node.port}", "--insecure",
                "--parent-pid", str(node.proc.pid), "--events", str(node.events)]
         proc = subprocess.Popen(cmd, cwd=node.home, env=flower_env(node.home), stdout=handle,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, umask=umask())
         handle.close()
         return proc
 
@@ -397,7 +408,7 @@ class LoopbackCluster:
     def cli(self, args: list[str], timeout: float = 120.0) -> str:
         """Run ``flwr <args>`` against this cluster; returns stdout, raises DeployError on failure."""
         proc = subprocess.run([executable("flwr"), *args], env=flower_env(self.cli_home), cwd=self.folder,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, umask=umask())
         if proc.returncode != 0:
             raise DeployError(f"`flwr {' '.join(args)}` failed ({proc.returncode}): "
                               f"{(proc.stdout + proc.stderr).strip()[-2000:]}")
@@ -414,13 +425,14 @@ class LoopbackCluster:
         deadline = time.time() + timeout
         cmd = [executable("flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         proc = subprocess.run(cmd, env=flower_env(self.cli_home), cwd=self.folder, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, umask=umask())
         started = re.search(r"Successfully started run (\d+)", proc.stdout + proc.stderr)
         if proc.returncode == 0 and started:
             status = self.wait_run(int(started.group(1)), max(1.0, deadline - time.time()))
             proc.stdout += f"[deploy] run {started.group(1)}: {status}\n"
         if log_file is not None:
-            Path(log_file).write_text(proc.stdout + proc.stderr)
+            with _open_log(log_file, "w") as handle:
+                handle.write(proc.stdout + proc.stderr)
         return proc
 
     def run_status(self, run_id: int) -> str:
@@ -444,9 +456,9 @@ class LoopbackCluster:
     def submit(self, run_config: str, *, app: str | Path = ROOT, log_file: Path) -> subprocess.Popen:
         """Start ``flwr run ... --stream`` in the background (its output goes to ``log_file``)."""
         cmd = [executable("flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
-        handle = open(log_file, "w")
+        handle = _open_log(log_file, "w")
         proc = subprocess.Popen(cmd, env=flower_env(self.cli_home), cwd=self.folder, stdout=handle,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, umask=umask())
         handle.close()
         return proc
 
@@ -470,6 +482,13 @@ def _json_tail(text: str) -> dict:
     if start < 0:
         raise DeployError(f"no JSON in the CLI output: {text[-500:]}")
     return json.loads(text[start:])
+
+
+def _open_log(path: Path, mode: str = "a"):
+    """A log file opened for writing, readable by this user alone (``fedapps.filemodes``)."""
+    handle = open(path, mode)
+    private_file(path)
+    return handle
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -30,16 +30,53 @@ an array chunk of at most 5 MiB by default): else ``411``/``413`` before a byte 
 because Flower's protobuf layer reads the whole body before SuperNode authentication (three
 unauthenticated 256 MB POSTs once raised the SuperLink from 137 MB to 1.68 GB resident).
 
+Slow and idle connections on the public listener (:class:`postcard.fleetguard.FleetGuard`; issue #62, finding 6). uvicorn
+0.49 has no header-read timeout: its keep-alive timer starts only after a first response and stops at
+the next byte, so a connection that sent half its request headers stayed open for good (one stalled in its
+TLS handshake, asyncio's 60 s), and about 1,000 of them took the 1,024 file descriptors of a default limit:
+the operator's ``flwr`` and the registered SuperNodes got nothing until they were let go. Its own knobs do
+not fit: ``limit_concurrency`` answers ``503`` after the headers (and counts the loopback listener's
+connections too), ``h11_max_incomplete_event_size`` applies to h11 only (here httptools parses). So on
+the public listener, and only there:
+
+* ``--fleet-header-timeout`` (default 10 s): a connection's request headers must be complete within this
+  long after it was accepted (its TLS handshake included) or after its previous response; else it is
+  closed. A SuperNode sends its headers in one write right after the handshake: on a 500 ms
+  round trip that is 1.5 s. Headers larger than 64 KiB are refused too (connection closed).
+* ``--fleet-body-timeout`` (default 30 s): the longest silence inside a request body (a SuperNode's
+  largest body, a 5 MiB chunk, arrives without pauses).
+* ``--fleet-max-connections`` (default 512): open connections, counted from the moment one is accepted
+  (before its TLS handshake). At the cap a new connection takes the place of the oldest one that is
+  waiting for request headers (a stalled or idle one), else of the slowest request body if it came in
+  slower than 32 KiB/s on average (one whose request is being answered is never closed), else it is
+  closed at once; so a flood of slow connections does not lock out a SuperNode that sends its request
+  at once. The soft file-descriptor limit (``RLIMIT_NOFILE``) is raised, within the
+  hard one, to the cap plus 256 descriptors for everything else (the loopback listener, the database,
+  SuperExec, logs), else the cap is lowered to fit: a flood of the Fleet port never takes the
+  descriptors of the operator's listener.
+
+The loopback listener is subject to none of these (uvicorn's own keep-alive timeout, 5 s, applies to
+both). The server runs on asyncio's own event loop (not uvloop): the cap counts connections at
+``accept()`` of the public listening socket (:class:`FleetGuard`).
+
     python -m postcard.fleetgate --fleet-host 0.0.0.0 --fleet-port 9092 \\
-        --host 127.0.0.1 --port 9093 <every other flower-superlink argument>
+        --host 127.0.0.1 --port 9093 <every other flower-superlink argument> \\
+        [--fleet-max-connections 512 --fleet-header-timeout 10 --fleet-body-timeout 30]
+
+The process runs with the umask of ``POSTCARD_UMASK`` (default ``077``, ``fedapps.filemodes``): its
+database (``--database``), Flower's files and the ServerApps' run folders are private to its user.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
 import sys
+
+from postcard.fleetguard import (BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_HEADER_BYTES,  # noqa: F401
+                                 FleetGuard, fit_fd_limit, guarded_protocol)
 
 FLEET_PREFIX = "/v1/fleet/"
 MAX_REQUEST_MB = 32  # the largest body the public listener accepts, MiB
@@ -108,6 +145,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------- slow and idle connections
+def make_server(app, guard: FleetGuard, **config):
+    """A uvicorn server of ``app`` whose public listener (``guard.listen``) ``guard`` keeps: asyncio's
+    selector loop (it calls the listening socket's ``accept()``), httptools with the guard's deadlines."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app=app, loop="asyncio", http=guarded_protocol(guard), **config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m postcard.fleetgate", add_help=False,
@@ -118,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB,
                         help=f"the largest request body the Fleet listener accepts, MiB (default {MAX_REQUEST_MB}; "
                              "raise it with FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)")
+    parser.add_argument("--fleet-max-connections", type=int, default=MAX_CONNECTIONS,
+                        help=f"open connections on the Fleet listener (default {MAX_CONNECTIONS}); at the cap a new "
+                             "one takes the place of the oldest one waiting for request headers")
+    parser.add_argument("--fleet-header-timeout", type=float, default=HEADER_TIMEOUT,
+                        help=f"seconds from a Fleet connection's accept (TLS handshake included) or its previous "
+                             f"response to complete request headers, else it is closed (default {HEADER_TIMEOUT:g})")
+    parser.add_argument("--fleet-body-timeout", type=float, default=BODY_TIMEOUT,
+                        help=f"the longest silence inside a Fleet request body, seconds (default {BODY_TIMEOUT:g})")
     return parser
 
 
@@ -136,6 +190,8 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace,
         raise SystemExit("give --enable-supernode-auth: the Fleet API is the public one")
     if ours.fleet_port == flower.port:
         raise SystemExit("--fleet-port must differ from --port (the port tells the two listeners apart)")
+    if ours.fleet_max_connections < 1 or ours.fleet_header_timeout <= 0 or ours.fleet_body_timeout <= 0:
+        raise SystemExit("--fleet-max-connections must be at least 1 and the --fleet-*-timeout positive")
     return ours, flower, rest
 
 
@@ -159,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         _parse_args_run_superlink().print_help()
         return 0
     ours, _, rest = split_args(argv)
+    from fedapps.filemodes import umask
+
+    os.umask(umask())  # before any thread or file: the database, Flower's files, the ServerApps' run folders
 
     import importlib
 
-    import uvicorn
     from flwr.superlink.main import create_app
     from flwr.supercore.http_logging import get_uvicorn_log_config
     from flwr.supercore.logger import console_handler
@@ -172,14 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     config = fsl._parse_superlink_lifespan_config()
     app = FleetOnly(create_app(config, fsl.SuperLinkLifespan), private_port=config.port,
                     max_body=int(ours.max_request_mb * 2**20))
-    sockets = [_listen(config.host, config.port), _listen(ours.fleet_host, ours.fleet_port)]
+    guard = FleetGuard(fit_fd_limit(ours.fleet_max_connections), ours.fleet_header_timeout, ours.fleet_body_timeout)
+    sockets = [_listen(config.host, config.port), guard.listen(ours.fleet_host, ours.fleet_port)]
     print(f"[fleetgate] every API on https://{config.host}:{config.port} (loopback); "
-          f"the Fleet API alone on https://{ours.fleet_host}:{ours.fleet_port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(
-        app=app, host=config.host, port=config.port, reload=False, access_log=True,
+          f"the Fleet API alone on https://{ours.fleet_host}:{ours.fleet_port} (at most {guard.max_connections} "
+          f"connections; request headers within {guard.header_timeout:g} s, no body silence over "
+          f"{guard.body_timeout:g} s)", flush=True)
+    server = make_server(
+        app, guard, host=config.host, port=config.port, reload=False, access_log=True,
         log_config=get_uvicorn_log_config(console_handler.level),
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, workers=1, lifespan="on",
-    ))
+    )
     server.run(sockets=sockets)
     return 0
 

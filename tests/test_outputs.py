@@ -244,3 +244,59 @@ def test_the_ratio_to_fedavg_lora_is_not_rounded_before_it_is_inverted():
             for name, up in (("fedavg-lora", 9_768_960), ("flite", 648))]
     assert comparison_rows(runs)[1]["uplink_vs_fedavg_lora"] == pytest.approx(648 / 9_768_960, rel=1e-5)
     assert f"{1 / comparison_rows(runs)[1]['uplink_vs_fedavg_lora']:,.0f}" == "15,076"
+
+
+def _modes(folder) -> tuple[dict[str, int], dict[str, int]]:
+    """(folder modes, file modes) of everything under ``folder``, itself included, by relative path."""
+    import os
+    import stat
+    from pathlib import Path
+
+    dirs, files = {".": stat.S_IMODE(os.stat(folder).st_mode)}, {}
+    for root, subdirs, names in os.walk(folder):
+        for name in subdirs:
+            dirs[str(Path(root, name).relative_to(folder))] = stat.S_IMODE(os.stat(Path(root, name)).st_mode)
+        for name in names:
+            files[str(Path(root, name).relative_to(folder))] = stat.S_IMODE(os.stat(Path(root, name)).st_mode)
+    return dirs, files
+
+
+def test_a_run_folder_is_its_users_alone(tmp_path, monkeypatch):
+    """#62 finding 8: a run folder (config, metrics, checkpoint, TensorBoard events, plots, the final adapter) was
+    world-readable (0755 / 0644). Now 0700 / 0600 (fedapps.filemodes), without touching the process's umask:
+    the in-process runner's server runs in this process, as a simulation's runs in a thread of its worker."""
+    import os
+
+    from fedapps.config import compose
+    from inprocess import run as simulate
+
+    monkeypatch.delenv("POSTCARD_UMASK", raising=False)
+    before = os.umask(0o022)  # the usual umask: what a run wrote before
+    try:
+        summary = simulate(compose([f"output_dir={tmp_path}", "run_name=private", "rounds=1", "train.local_steps=1",
+                                    "eval.max_batches=1", "tracking=tensorboard"], preset="test"))
+        assert os.umask(0o022) == 0o022  # the process's umask is left alone
+    finally:
+        os.umask(before)
+    dirs, files = _modes(summary["run_dir"])
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint.npz", "metrics.png"} <= set(files), files
+    assert any(f.startswith("tensorboard/") for f in files) and any(f.startswith("adapter/") for f in files), files
+    assert set(dirs.values()) == {0o700}, dirs
+    assert set(files.values()) == {0o600}, files
+
+
+def test_postcard_umask_widens_what_a_run_folder_shows(tmp_path, monkeypatch):
+    """POSTCARD_UMASK (octal) is the one setting: 027 lets the group read; a value that is no umask is refused."""
+    from fedapps import checkpoint
+    from fedapps.config import compose
+    from fedapps.filemodes import umask
+    from fedapps.outputs import RunDir
+
+    monkeypatch.setenv("POSTCARD_UMASK", "027")
+    out = RunDir(compose([f"output_dir={tmp_path}", "run_name=shared"], preset="test"))
+    checkpoint.save(out.path, server_round=0, cfg=out.cfg, arrays={}, meta={})
+    dirs, files = _modes(out.path)
+    assert dirs == {".": 0o750} and files == {"config.yaml": 0o640, "checkpoint.npz": 0o640}
+    monkeypatch.setenv("POSTCARD_UMASK", "u=rwx")
+    with pytest.raises(ValueError, match="POSTCARD_UMASK='u=rwx' is not a umask"):
+        umask()
