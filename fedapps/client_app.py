@@ -29,6 +29,7 @@ from fedapps.errors import NODE_ERRORS
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
 from strategies import packing
+from strategies.secure_round import STAGES
 
 force_offline()
 
@@ -94,29 +95,9 @@ def train(msg: Message, context: Context) -> Message:
     return out
 
 
-@app.train("secagg_keys")
-def secagg_keys(msg: Message, context: Context) -> Message:
-    return secure.answer_stage(msg, context)
-
-
-@app.train("secagg_shares")
-def secagg_shares(msg: Message, context: Context) -> Message:
-    return secure.answer_stage(msg, context)
-
-
-@app.train("secagg_deliver")
-def secagg_deliver(msg: Message, context: Context) -> Message:
-    return secure.answer_stage(msg, context)
-
-
-@app.train("secagg_open")
-def secagg_open(msg: Message, context: Context) -> Message:
-    return secure.answer_stage(msg, context)
-
-
-@app.train("secagg_unmask")
-def secagg_unmask(msg: Message, context: Context) -> Message:
-    return secure.answer_stage(msg, context)
+# secure aggregation's stages (train.secagg_keys, _shares, _deliver, _open, _unmask): fedapps.secure answers each
+for _stage in STAGES:
+    app.train(_stage.split(".", 1)[1])(secure.answer_stage)
 
 
 @app.evaluate()
