@@ -22,6 +22,7 @@ import numpy as np
 from flwr.common.logger import log
 from omegaconf import OmegaConf
 
+from fedapps import linkbudget
 from fedapps.config import to_yaml
 from fedapps.filemodes import private_dir, private_file, secure_tree
 
@@ -234,6 +235,8 @@ def summarize(cfg, history: list[dict]) -> dict:
         "refused_by_kind": count_by_kind(history, "refused"),
         "bounded_by_kind": count_by_kind(history, "bounded"),
         "wall_seconds": float(sum(r["seconds"] for r in history)),
+        # what the rounds would take on a few real links, modelled from the measured bytes and seconds
+        "link_budget": linkbudget.budget(history, metric, metric != "perplexity"),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

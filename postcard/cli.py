@@ -12,6 +12,7 @@
     postcard evaluate RUN_DIR                                 # its held-out evaluation,
     postcard export RUN_DIR merged/                           # a standalone checkpoint (postcard.final)
     postcard compare REF_RUN RUN ...                          # paired, item by item: 95% intervals, McNemar
+    postcard link-budget RUN_DIR [--target X]                 # its rounds modelled on phone, home, data-centre links
     postcard supernode-worker --runtime-api-address H:P --insecure  # a warm node worker beside flower-supernode
                                                               #   --isolation process (postcard.worker)
 
@@ -142,6 +143,10 @@ def main() -> None:
         from postcard.pretrain import main as pretrain_main
 
         raise SystemExit(pretrain_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "link-budget":  # a run's rounds modelled on real links
+        from fedapps.linkbudget import main as budget_main
+
+        raise SystemExit(budget_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "compare":  # finished runs, paired item by item
         from postcard.compare import main as compare_main
 
