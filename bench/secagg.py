@@ -104,8 +104,8 @@ def report(protocol: list[dict], simulation: list[dict], command: str) -> str:
                      f"{r['protocol_uplink_bytes']:,.0f} | {r['protocol_downlink_bytes']:,.0f} | "
                      f"{r['server_seconds']:.3f} | {r['client_seconds']:.3f} |")
     lines += ["", "Protocol bytes are the secure stages' own messages (keys, encrypted shares, unmask "
-              "requests and replies, and the keys and shares relayed with the training message), per client; "
-              "they grow with N (one 88-byte encrypted share per other client, twice: sent and relayed). "
+              "requests and replies, the shares relayed at the deliver stage, the keys with the training message), per client; "
+              "they grow with N (one 120-byte encrypted share per other client, twice: sent and relayed). "
               "Client seconds are per client per round.", ""]
     if simulation:
         lines += ["## Simulation (Ray): FLITE, tiny CNN, Fashion-MNIST, 256 latents", "",
