@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from fedapps.method import ConfigError
+from strategies.base import uplink_of
 
 
 # keys whose values must be numbers: (dotted key, type, lower bound)
@@ -440,7 +441,7 @@ def _check_uplink(algorithm, method) -> None:
                           f"{', '.join(FORMATS)}")
     if fmt in ("topk", "powersgd"):
         if fmt not in (algorithm.get("channels") or []) and method.own_format != fmt \
-                or str(algorithm.get("uplink", "absolute")) != "delta":
+                or uplink_of(algorithm) != "delta":
             raise ConfigError(f"algorithm.payload={fmt} compresses updates: use channel={fmt} with a method that "
                               f"carries it (algorithm '{algorithm.name}' carries: "
                               f"{', '.join(map(str, algorithm.get('channels') or [])) or 'its own format only'})")

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from strategies.base import uplink_of
+
 
 @dataclass(frozen=True)
 class ServerPlan:
@@ -178,5 +180,5 @@ def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
 def uplink_kwargs(algorithm) -> dict:
     """The strategy's uplink settings from ``algorithm.payload/uplink/compression``."""
     comp = algorithm.get("compression") or {}
-    return dict(uplink_format=str(algorithm.payload), uplink=str(algorithm.get("uplink", "absolute")),
+    return dict(uplink_format=str(algorithm.payload), uplink=uplink_of(algorithm),
                 topk_fraction=comp.get("topk_fraction"), powersgd_rank=comp.get("powersgd_rank"))

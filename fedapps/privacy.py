@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from strategies import codec
-from strategies.base import sample_size
+from strategies.base import sample_size, uplink_of
 from strategies.privacy import Privacy, add_noise, clip_update
 
 if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's privacy from settings_of)
@@ -46,7 +46,7 @@ def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayR
     as ``update_norm``."""
     cfg = call.cfg
     values = codec.decode(update.arrays)
-    absolute = str(cfg.algorithm.get("uplink", "absolute")) != "delta"
+    absolute = uplink_of(cfg.algorithm) != "delta"
     received = codec.decode(call.arrays) if absolute else {}
     delta = {k: v.astype(np.float64) - received[k] for k, v in values.items()} if absolute else values
     clipped, norm = clip_update(delta, privacy.clip)

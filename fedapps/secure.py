@@ -15,6 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from omegaconf import OmegaConf
 
+from strategies.base import uplink_of
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
 from strategies.secure_round import (DELIVER, KEYS, OPEN, RECORD, SHARES, UNMASK, SecureSettings, client_deliver,
@@ -82,7 +83,7 @@ def masked_update(call: ClientCall, arrays: ArrayRecord) -> ArrayRecord:
                                "secure-aggregation record")
     settings = settings_of(call.cfg)
     values = codec.decode(arrays)
-    if str(call.cfg.algorithm.get("uplink", "absolute")) != "delta":
+    if uplink_of(call.cfg.algorithm) != "delta":
         received = codec.decode(call.arrays)
         values = {k: v.astype(np.float64) - received[k] for k, v in values.items()}
     arrays, _ = client_mask(int(call.context.node_id), call.msg, call.context.state, settings, values,

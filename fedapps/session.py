@@ -34,6 +34,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from omegaconf import OmegaConf
 
+from strategies.base import uplink_of
 from fedapps.resolved import from_yaml
 from strategies.base import CONFIG_RECORD
 
@@ -199,7 +200,7 @@ def uplink_record(cfg, context: Context, local: dict, received: dict, seed: int)
     comp = algorithm.get("compression") or {}
     compressor = UpdateCompressor(fmt, fraction=comp.get("topk_fraction"), rank=comp.get("powersgd_rank"),
                                   error_feedback=bool(comp.get("error_feedback", True)), seed=int(cfg.seed))
-    if str(algorithm.get("uplink", "absolute")) == "delta":
+    if uplink_of(algorithm) == "delta":
         values = {k: np.asarray(v, np.float32) - np.asarray(received[k], np.float32) for k, v in local.items()}
     else:
         values = {k: np.asarray(v, np.float32) for k, v in local.items()}

@@ -73,6 +73,11 @@ from strategies.server_opt import PREFIX as OPT_PREFIX, OptimizerState, ServerOp
 UPLINKS = ("absolute", "delta")  # what clients send: their values, or their update (local − received)
 
 
+def uplink_of(algorithm) -> str:
+    """A method's ``uplink`` setting (its config block, a mapping): the one default, ``absolute``."""
+    return str(algorithm.get("uplink", "absolute") or "absolute")
+
+
 def weighted_mean(states: list[Mapping[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
     """Example-weighted mean of tensors with the same keys (float64 accumulation)."""
     if not states:
