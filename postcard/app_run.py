@@ -137,9 +137,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour and cursor codes (Flower c
 
 
 # Flower's lines that ask nothing of a Postcard user: the simulation's note on its default federation size
-# and how to change it (Postcard passes num-supernodes = num_clients on every run)
+# and how to change it (Postcard passes num-supernodes = num_clients on every run), and its WARNING as it
+# ends a run's Ray actors (every run ends so)
 NOISE = re.compile(r"Since flwr 1\.32, default simulated SuperNodes changed|To change federation size, use the "
-                   r"following command|flwr federation simulation-config ")
+                   r"following command|flwr federation simulation-config |WARNING :\s+Manually terminating "
+                   r"ClientAppActor")
 
 
 def stream_logs(command: list[str], *, env, cwd=None, out=None) -> int:

@@ -17,6 +17,21 @@ def test_piped_logs_carry_no_colour_codes():
     assert out.getvalue() == "INFO :      round 1\nWARNING :   slow\n"
 
 
+NOISY = ("print('\x1b[93mWARNING \x1b[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.'); "
+         "print('INFO :      To change federation size, use the following command:'); "
+         "print('INFO :      \tflwr federation simulation-config @none/default <superlink> --num-supernodes <N>'); "
+         "print('(ClientAppActor pid=7) WARNING :   Manually terminating ClientAppActor'); "
+         "print('INFO :      round 1'); print('WARNING :   round 2: no train reply from node 5')")
+
+
+def test_flowers_lines_that_ask_nothing_of_the_user_are_not_relayed():
+    """#60: every run printed Flower's federation-size notes (with a hint that does not apply under postcard)
+    and a WARNING as it ended its Ray actors; a WARNING that needs the user's eye still comes through."""
+    out = io.StringIO()
+    assert stream_logs([sys.executable, "-c", NOISY], env=None, out=out) == 0
+    assert out.getvalue() == "INFO :      round 1\nWARNING :   round 2: no train reply from node 5\n"
+
+
 def test_a_sweep_names_each_run_folder_by_the_values_it_sweeps():
     argv = ["-m", "algorithm=fedavg-lora,ffa-lora", "preset=test", "train.lr=1e-4,1e-3", "rounds=1"]
     job = ["algorithm=ffa-lora", "preset=test", "train.lr=1e-3", "rounds=1"]
