@@ -32,7 +32,7 @@ class SecureStages:
         self.strategy = strategy
         self.settings = settings
         self.round: SecureRound | None = None
-        self.train: list[Message] = []  # the method's training messages, shares attached at the upload stage
+        self.train: list[Message] = []  # the method's training messages, the final participants' keys attached
         self.metrics: list[dict] = []  # what is kept of each upload's metrics: its count, nothing else
         self.noted: set[int] = set()  # nodes whose leaving this round is already recorded
 
