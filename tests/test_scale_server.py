@@ -59,3 +59,25 @@ def test_fedavg_lora_replies_are_packed_and_aggregated(tmp_path):
 def test_the_superlinks_node_list_is_timed_on_flowers_own_handler(database):
     row = scale_server.superlink_get_nodes(20, database, calls=2)
     assert row["nodes_returned"] == 20 and len(row["seconds"]) == 2 and row["response_bytes"] > 20 * 120
+
+
+def test_a_round_reads_the_node_list_once_per_phase_not_seven_times(tmp_path, monkeypatch):
+    """#63: the node list (every registered node, read on the SuperLink) was asked for seven times a round;
+    through fedapps.runner.NodeListCache the server reads it once per phase."""
+    import inprocess
+    from fedapps.config import compose
+    from fedapps.runner import NodeListCache
+
+    calls = []
+    real = inprocess.InProcessGrid.get_node_ids
+    monkeypatch.setattr(inprocess.InProcessGrid, "get_node_ids", lambda self: calls.append(1) or real(self))
+    summary = inprocess.run(compose(["rounds=2", "train.local_steps=1", f"output_dir={tmp_path}"], preset="test"))
+    assert summary["status"] == "completed"
+    # the start (wait for nodes), round 0's evaluation, then training and evaluation of each round: at most one
+    # read per phase (the cache lasts half a second): 4 here, where there were 18
+    assert len(calls) <= 1 + 1 + 2 * 2, len(calls)
+    # and a caller waiting for nodes to join sees a fresh list once the cache is older than its ttl
+    grid = NodeListCache(type("G", (), {"get_node_ids": lambda self: calls.append(1) or [1, 2]})(), ttl=0.0)
+    before = len(calls)
+    grid.get_node_ids(), grid.get_node_ids()
+    assert len(calls) == before + 2
