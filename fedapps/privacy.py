@@ -31,9 +31,14 @@ def settings_of(cfg) -> Privacy | None:
 
 
 def sample_rate(cfg) -> float:
-    """The fraction of the clients a round trains, as Flower samples them:
+    """The accountant's sampling rate q. With privacy on and ``fraction_train`` below 1, rounds sample
+    Poisson at q = ``fraction_train`` (``Privacy.sample``: each node on its own, as dp-accounting's
+    PoissonSampledDpEvent assumes); otherwise the fraction a round trains as Flower samples it,
     ``strategies.base.sample_size`` (``max(⌊N·fraction_train⌋, min_clients or 2)``) / N."""
     fraction = float(cfg.strategy.fraction_train)
+    block = cfg.get("privacy")
+    if block and block.get("mode") not in (None, "off", False) and fraction < 1.0:
+        return fraction
     clients = cfg.get("num_clients") or cfg.task.get("default_clients")
     if not clients:
         return fraction

@@ -50,10 +50,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -303,9 +303,18 @@ class PayloadFedAvg(FedAvg):
         return out
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        self._available = len(list(grid.get_node_ids()))
-        return self._messages(self._unbanned(super().configure_train(server_round, arrays, config, grid)),
-                              server_round, "train", config)
+        nodes = list(grid.get_node_ids())
+        self._available = len(nodes)
+        if self.privacy is not None and self.privacy.poisson:  # the sampling the accountant assumes (#63)
+            chosen = self.privacy.sample(nodes, server_round)
+            log(INFO, "configure_train: Poisson sampling at q = %.3g chose %d of %d nodes", self.privacy.sample_rate,
+                len(chosen), len(nodes))
+            config["server-round"] = server_round
+            base = self._construct_messages(RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config}),
+                                            chosen, MessageType.TRAIN)
+        else:
+            base = super().configure_train(server_round, arrays, config, grid)
+        return self._messages(self._unbanned(base), server_round, "train", config)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self._messages(self._unbanned(super().configure_evaluate(server_round, arrays, config, grid)),
@@ -654,6 +663,9 @@ class PayloadFedAvg(FedAvg):
         """The clients this round sampled (the private mean's denominator); ε is accounted at the rate
         that happened if Flower sampled more than the noise was calibrated for."""
         sampled = max(1, len(self.sent.get("train", [])) or accepted)
+        if self.privacy.poisson:  # sampled at q by construction: the count varies, the rate does not
+            self.sampled_rate = max(self.sampled_rate, self.privacy.sample_rate)
+            return sampled
         if self._available:
             rate = sampled / max(self._available, sampled)
             if rate > self.privacy.sample_rate + 1e-9 and rate > self.sampled_rate:

@@ -150,6 +150,20 @@ class Privacy:
             return np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         return np.random.default_rng([self.seed, *[int(s) for s in stream]])
 
+    @property
+    def poisson(self) -> bool:
+        """Whether rounds sample their clients as the accountant assumes: each node on its own with
+        probability ``sample_rate`` (below 1; at 1 every node trains and there is no sampling to amplify)."""
+        return self.sample_rate < 1.0
+
+    def sample(self, nodes, server_round: int) -> list[int]:
+        """Poisson sampling of ``nodes``: each kept with probability ``sample_rate``, independently, from the
+        secret generator (:meth:`rng`: who trains must stay unknown for the amplification to hold). A round
+        may so sample no one: it then trains nobody and releases nothing."""
+        nodes = sorted(int(v) for v in nodes)
+        keep = self.rng(server_round, 1).random(len(nodes)) < self.sample_rate
+        return [v for v, k in zip(nodes, keep) if k]
+
     def release(self, total: Mapping[str, np.ndarray], sampled: int, server_round: int) -> dict[str, np.ndarray]:
         """A round's private mean update from the sum of its clipped updates: central mode adds
         N(0, (z·clip)²) to the sum, then both modes divide by the number of clients sampled (a fixed

@@ -51,27 +51,44 @@ def round_of(strat, per_node, server_round=1):
 
 
 # ---------------------------------------------------------------------- finding 3: ε
-def test_epsilon_is_accounted_at_the_rate_flower_really_samples():
+def test_epsilon_is_accounted_at_the_rate_rounds_really_sample():
+    """The accountant assumes Poisson sampling at q; with privacy on, rounds sample so (#63: Flower's
+    fixed-size sampling was accounted as Poisson before): q = fraction_train whatever min_clients says,
+    each node kept on its own with probability q, the count a round trains varies around q·N, and ε is
+    the accountant's at q."""
     from fedapps.privacy import sample_rate, settings_of
 
     cfg = compose(["privacy.mode=central", "privacy.epsilon=8", "rounds=10", "num_clients=10",
                    "strategy.fraction_train=0.5"], preset="test")
-    assert cfg.strategy.min_clients is None  # Flower then samples max(⌊10·0.5⌋, 2) = 5 clients (#60: once all 10)
     assert sample_rate(cfg) == 0.5
     settings = settings_of(cfg)
-    assert settings.epsilon(10) == pytest.approx(8.0, rel=1e-3)  # the noise is calibrated for q = 0.5
-    cfg.strategy.min_clients = 8  # a minimum above the fraction's count: that many a round
-    assert sample_rate(cfg) == 0.8
+    assert settings.poisson and settings.epsilon(10) == pytest.approx(8.0, rel=1e-3)  # calibrated for q = 0.5
+    cfg.strategy.min_clients = 8  # a quorum, not a sample size, under Poisson sampling
+    assert sample_rate(cfg) == 0.5
+    cfg.strategy.fraction_train = 1.0  # every node every round: no sampling to amplify
+    assert sample_rate(cfg) == 1.0
 
-    # and whatever the plan said, a run that trains more nodes than planned records ε at that rate
-    planned = Privacy(mode="central", clip=0.1, delta=1e-5, noise_multiplier=1.0, rounds=10, sample_rate=0.5)
-    strat = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", num_clients=4,
-                          uplink="delta", privacy=planned)
-    round_of(strat, {v: (np.full(D, 0.01), {}) for v in (1, 2, 3, 4)})  # Flower sampled all 4 of 4
-    record = strat.history[-1] if strat.history else strat.round_record()
-    assert record["privacy"]["sample_rate"] == 1.0
-    assert record["privacy"]["epsilon"] == pytest.approx(epsilon_spent(1.0, 1.0, 1, 1e-5))
-    assert record["privacy"]["epsilon"] > planned.epsilon(1)
+    planned = Privacy(mode="central", clip=0.1, delta=1e-5, noise_multiplier=1.0, rounds=200, sample_rate=0.1,
+                      seed=7)
+    strat = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", num_clients=1000,
+                          uplink="delta", privacy=planned, fraction_train=0.1)
+    grid = Grid(range(1, 1001))
+    counts, seen = [], np.zeros(1001)
+    for r in range(1, 201):
+        chosen = [int(m.metadata.dst_node_id) for m in strat.configure_train(r, ArrayRecord(), ConfigRecord(), grid)]
+        counts.append(len(chosen))
+        seen[chosen] += 1
+    assert 95 < np.mean(counts) < 105 and np.std(counts) > 5  # Binomial(1000, 0.1): mean 100, sd 9.5
+    assert 0.095 < seen[1:].mean() / 200 < 0.105 and seen[1:].min() > 0  # every node about q of the rounds
+    # a private round's record: ε at the rate the rounds sample, whatever the count that round
+    one = PayloadFedAvg(initial_state={"w": np.zeros(D, np.float32)}, config_yaml="a: 1\n", num_clients=4,
+                        uplink="delta", privacy=Privacy(mode="central", clip=0.1, delta=1e-5, noise_multiplier=1.0,
+                                                        rounds=10, sample_rate=0.5, seed=3))
+    requests = push(one.configure_train(1, ArrayRecord(), ConfigRecord(), Grid([1, 2, 3, 4])))
+    one.aggregate_train(1, [reply(requests[v], np.full(D, 0.01)) for v in requests])
+    record = one.history[-1] if one.history else one.round_record()
+    assert record["privacy"]["sample_rate"] == 0.5
+    assert record["privacy"]["epsilon"] == pytest.approx(epsilon_spent(1.0, 0.5, 1, 1e-5))
 
 
 # ---------------------------------------------------------------------- finding 5: private runs
