@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fedapps import registry
-from fedapps.config import ConfigError, compose
+from fedapps.config import ConfigError, compose, to_yaml
 from fedapps.method import Method
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,3 +203,17 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     assert set(restored) == set(new)
     for key, value in new.items():
         np.testing.assert_array_equal(restored[key], value)
+
+
+@pytest.mark.parametrize("name", sorted(registry.METHODS))
+def test_a_methods_own_combine_flag_agrees_with_its_strategy(name, tmp_path):
+    """#61: DP and secure aggregation are refused for a method that combines replies its own way by two checks
+    that could disagree: the config check reads Method.own_combine, the strategy checks whether its class
+    overrides combine. For every registered method they must say the same."""
+    from inprocess import pool_overrides
+    from strategies.base import PayloadFedAvg
+
+    cfg = compose(pool_overrides(name, tmp_path), algorithm=name, preset="test")
+    method = registry.get(name)
+    strategy = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
+    assert (type(strategy).combine is not PayloadFedAvg.combine) == method.own_combine
