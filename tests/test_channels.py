@@ -382,3 +382,25 @@ def test_a_latent_downlink_sends_each_client_only_the_rounds_it_missed(tmp_path,
                    for c in __import__("json").loads(line)["clients"] for p in ("train", "eval"))
 
     assert downlink(missed) < downlink(whole)
+
+
+def test_the_flite_per_round_preset_sends_648_bytes_both_ways_and_trains_every_tensor(tmp_path):
+    """#64: FLITE's mechanism with a fresh subspace each round, by name (conf/preset/flite-per-round.yaml):
+    full FedAvg's tensors (the head included) through the latent channel, 648 int4 bytes up, the missed
+    rounds' latents down."""
+    from inprocess import run
+
+    cfg = compose(["model=tiny-llama", "num_clients=2", "rounds=2", "train.local_steps=2", "train.batch_size=2",
+                   "train.seq_len=32", "channel.rank=128", "eval.max_batches=1", f"output_dir={tmp_path}"],
+                  preset="flite-per-round")
+    assert (cfg.algorithm.name, cfg.channel.name, cfg.channel.downlink) == ("fedavg-full", "latent", "latent")
+    summary = run(cfg)
+    assert summary["status"] == "completed" and summary["uplink_bytes_per_client_round"] == 648
+    lines = open(f"{summary['run_dir']}/metrics.jsonl").read().splitlines()
+    down: dict = {}
+    for line in lines:
+        for c in __import__("json").loads(line)["clients"]:
+            for phase in ("train", "eval"):
+                down.setdefault(c["node_id"], []).append(c.get(f"{phase}_downlink_payload_bytes", 0))
+    # each client is sent each committed round's latents once (with the evaluation that follows it): 2 × 648
+    assert sorted(sum(v) for v in down.values()) == [2 * 648, 2 * 648], down
