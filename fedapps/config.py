@@ -203,8 +203,9 @@ def _explain(err: Exception) -> str:
     return f"invalid configuration: {text}"
 
 
-def compose_from_run_config(run_config: Mapping[str, object]) -> DictConfig:
-    """Flower ``context.run_config`` (pyproject keys + ``--run-config``) -> composed config."""
+def compose_from_run_config(run_config: Mapping[str, object], ready: bool = False) -> DictConfig:
+    """Flower ``context.run_config`` (pyproject keys + ``--run-config``) -> composed config; ``ready`` as
+    :func:`compose`'s (``postcard.app_run`` checks a run's needs before it submits)."""
     unknown = sorted(set(run_config) - set(RUN_CONFIG_KEYS))
     if unknown:
         raise ConfigError(f"unknown run-config keys {unknown}; valid keys: {', '.join(RUN_CONFIG_KEYS)}")
@@ -217,7 +218,8 @@ def compose_from_run_config(run_config: Mapping[str, object]) -> DictConfig:
         raise ConfigError(f"config-dir '{config_dir}' is not a folder (on a deployment, the server machine needs it "
                           "at the same path)")
     conf_path = [str(Path(config_dir).expanduser())] if config_dir else []
-    return compose(overrides, conf_path=conf_path, **{g: str(run_config.get(g, "") or "") for g in GROUPS})
+    return compose(overrides, conf_path=conf_path, ready=ready,
+                   **{g: str(run_config.get(g, "") or "") for g in GROUPS})
 
 
 def finalize(cfg: DictConfig, ready: bool = True) -> DictConfig:

@@ -73,7 +73,7 @@ def precheck(args: list[str]) -> str | None:
         return None  # another app: its own server checks it
     from flwr.common.config import parse_config_args
 
-    from fedapps.config import ConfigError, compose_from_run_config, finalize
+    from fedapps.config import ConfigError, compose_from_run_config
     from fedapps.runner import client_count
 
     try:
@@ -82,7 +82,7 @@ def precheck(args: list[str]) -> str | None:
     except Exception:  # noqa: BLE001 - malformed for Flower: `flwr run` says how
         return None
     try:
-        cfg = finalize(compose_from_run_config(run_config))
+        cfg = compose_from_run_config(run_config, ready=True)  # validated once (the data scan included)
     except ConfigError as err:
         return str(err)
     refused = resume_refusal(cfg) or data_refusal(cfg)
