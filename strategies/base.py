@@ -122,6 +122,10 @@ class PayloadFedAvg(FedAvg):
     carry (``uplink_keys`` may restrict replies to a subset, e.g. FFA-LoRA's B factors).
     """
 
+    #: a reply's update is a dense tensor per key (:meth:`client_update`), so it has a coordinate-wise
+    #: median to be centered on (``robust.center``); a strategy of sparse updates says False
+    dense_updates: bool = True
+
     def __init__(
         self,
         *,
@@ -567,8 +571,38 @@ class PayloadFedAvg(FedAvg):
                 to = (f"{settings.norm_multiple:g}x the lower median, {bound:.4g}" if settings.norm_clip == "median"
                       else f"robust.norm_clip {bound:g}")
                 effects.append(f"update norms clipped to {to} ({clipped})")
+        if settings.centers and self.dense_updates:  # after the norm clip, whose WARNING names a far-off update
+            self._center_clip(nodes, payloads, effects)
         self.ledger.log_bounded(len(nodes), effects, hostile)
         return payloads, capped
+
+    def _center_clip(self, nodes: list[int], payloads: list, effects: list[str]) -> None:
+        """Centered clipping (``robust.center``, :func:`strategies.robust.center_scales`): each update's
+        distance from the round's coordinate-wise median update brought within ``center_multiple`` × the
+        lower median of those distances; the payloads replaced in place, each clipped one recorded. Never
+        a WARNING of its own: honest updates that differ in size (more local data, another domain) sit
+        many lower-median distances from the median; a hostile one is also far outside the count cap or
+        the norm clip, which say so."""
+        updates = [self.client_update(p) for p in payloads]
+        centered = robust.center_scales(updates, self.robustness)
+        if centered is None:
+            return
+        center, factors, distances, bound = centered
+        clipped = 0
+        for i, (node, factor, distance) in enumerate(zip(nodes, factors, distances)):
+            if factor < 1.0:
+                payloads[i] = self.with_update(payloads[i], robust.recenter(updates[i], center, factor))
+                detail = f"distance {distance:.4g} from the round's median update clipped to {bound:.4g}"
+                self.ledger.bound(node, "center-clipped", detail)
+                clipped += 1
+        effects.append(f"distances from the median update clipped to {self.robustness.center_multiple:g}x their "
+                       f"lower median, {bound:.4g} ({clipped})")
+
+    def with_update(self, payload, update: Mapping[str, np.ndarray]):
+        """The payload whose :meth:`client_update` is ``update``."""
+        if self.uplink == "delta":
+            return {k: np.asarray(v, np.float64).astype(np.float32) for k, v in update.items()}
+        return {k: (self.global_state[k] + update[k]).astype(np.float32) for k in payload}
 
     # ------------------------------------------------------------------ the aggregation pipeline
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):

@@ -280,7 +280,11 @@ class SmartFedStrategy(PayloadFedAvg):
             _, field = sparse.split_key(key)
             codec.check_declared(key, array, values if field in sparse.VALUE_FIELDS else {codec.FP32})
 
-    # bounded influence over sparse deltas: the norm of what a client changes, and what it proposes
+    # bounded influence over sparse deltas: the norm of what a client changes, and what it proposes; no
+    # centered clipping (robust.center): a coordinate-wise median over clients' different expert rows is
+    # no client's update
+    dense_updates = False
+
     def update_norm(self, payload: Mapping[str, sparse.MatrixPayload]) -> float:
         return robust.norm({f"{m}/{n}": getattr(p, n) for m, p in payload.items() for n in sparse.VALUE_FIELDS
                             if getattr(p, n) is not None})

@@ -98,7 +98,7 @@ def test_delta_fedavg_adds_the_weighted_mean_of_compressed_updates():
 
     # robust=off: the example-weighted mean exactly (the default bounds would cap 3 at 1 and clip the larger update)
     s = full_strategy("topk", topk_fraction=0.5,
-                      robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))
+                      robustness=Robustness(norm_clip="none", center=None, examples_multiple=None, max_abs=None))
     comp = UpdateCompressor("topk", fraction=0.5, error_feedback=False)
     (r1, _), (r2, _) = comp.compress(update(1)), comp.compress(update(2))
     arrays, _ = s.aggregate_train(1, [reply(1, r1, 1), reply(2, r2, 3)])

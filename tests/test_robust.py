@@ -47,7 +47,7 @@ def test_robust_aggregators_keep_one_outlier_of_five_near_the_honest_mean(aggreg
 
 
 def test_the_mean_with_the_norm_clip_stays_within_its_documented_bound():
-    settings = Robustness()  # mean, clip at 10x the lower-median update norm
+    settings = Robustness(center=None)  # the mean with the norm clip alone (centered clipping: test_colluders.py)
     strategy, mean, spread = five_clients(settings)
     assert [b["node_id"] for b in strategy.round_record()["bounded"]] == [5]
     # bound: share (1/5) x (clipped norm + largest honest norm), clipped norm <= 10 x lower median
@@ -69,6 +69,7 @@ def test_weights_are_capped_at_a_multiple_of_the_lower_median_and_norms_clipped(
     (dict(aggregator="mode"), "robust.aggregator"), (dict(norm_clip="sometimes"), "robust.norm_clip"),
     (dict(norm_multiple=-1.0), "robust.norm_multiple"), (dict(max_examples=0), "robust.max_examples"),
     (dict(trim_fraction=0.5), "robust.trim_fraction"), (dict(byzantine=-1), "robust.byzantine"),
+    (dict(center="mean"), "robust.center"), (dict(center_multiple=0), "robust.center_multiple"),
 ])
 def test_bad_robust_settings_are_refused_at_compose_time(bad, message):
     key, value = next(iter(bad.items()))

@@ -76,7 +76,7 @@ def test_bad_settings_are_refused_with_the_setting_named():
 def test_the_strategy_steps_once_per_committed_round_and_a_refused_round_keeps_the_moments():
     # robust=off: the exact mean update (the default would clip 1.5 to 1.5x the lower-median norm, 0.5)
     strategy, _ = make_strategy(uplink="delta", server_optimizer=ServerOptimizer(name="fedadam", lr=0.01),
-                                robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))
+                                robustness=Robustness(norm_clip="none", center=None, examples_multiple=None, max_abs=None))
     arrays, _ = strategy.aggregate_train(1, [reply(1, payload(0.5), 10), reply(2, payload(1.5), 10)])
     # first step: lr·Δ/(|Δ| + τ) with Δ = 1.0 everywhere
     for key in STATE:
@@ -122,7 +122,7 @@ def test_the_moments_go_into_the_checkpoint_and_a_resumed_run_steps_as_the_first
 
 def test_absolute_uplinks_step_on_the_mean_update():
     strategy, _ = make_strategy(server_optimizer=ServerOptimizer(name="fedavgm", lr=0.5, beta_1=0.9),
-                                robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))  # robust=off: the exact mean update
+                                robustness=Robustness(norm_clip="none", center=None, examples_multiple=None, max_abs=None))  # robust=off: the exact mean update
     arrays, _ = strategy.aggregate_train(1, [reply(1, payload(2.0), 10), reply(2, payload(4.0), 10)])
     new = codec.decode(arrays)
     for key in STATE:  # the mean update is 3 − global; fedavgm's first step is lr times it

@@ -55,7 +55,7 @@ def test_aggregate_is_the_example_weighted_mean_and_bytes_are_recorded():
     from strategies.robust import Robustness
 
     # robust=off: FedAvg's example-weighted mean exactly (the default caps 30 at the lower median, 10)
-    strategy, _ = make_strategy(robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))
+    strategy, _ = make_strategy(robustness=Robustness(norm_clip="none", center=None, examples_multiple=None, max_abs=None))
     arrays, metrics = strategy.aggregate_train(1, [reply(1, payload(1.0), 10), reply(2, payload(4.0), 30)])
     new = codec.decode(arrays)
     assert np.allclose(new["layer.lora_A"], 3.25) and np.allclose(strategy.global_state["layer.lora_B"], 3.25)
@@ -198,7 +198,7 @@ class _Doubling(PayloadFedAvg):
 def test_a_methods_combine_is_the_one_hook_every_plain_round_runs_and_each_reply_is_read_once():
     from strategies.robust import Robustness
 
-    strategy, _ = make_strategy(_Doubling, robustness=Robustness(norm_clip="none", examples_multiple=None))
+    strategy, _ = make_strategy(_Doubling, robustness=Robustness(norm_clip="none", center=None, examples_multiple=None))
     _Doubling.reads = 0
     strategy.aggregate_train(1, [reply(1, payload(2.0)), reply(2, payload(4.0))])
     # the clients' mean update is (3 − 1) for A (from 1) and 3 for B (from 0): doubled, then added

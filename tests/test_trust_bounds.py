@@ -148,7 +148,7 @@ def test_by_default_one_hostile_client_of_four_moves_the_state_less_than_the_hon
     moved = attacked.global_state["w"].astype(np.float64)
     assert np.linalg.norm(moved - step) < np.linalg.norm(step)  # with 10 / 100 it was 17x
     kinds = {b["kind"] for b in attacked.round_record()["bounded"] if b["node_id"] == 4}
-    assert kinds == {"examples-capped", "norm-clipped"}
+    assert kinds == {"examples-capped", "norm-clipped", "center-clipped"}
     # far outside its bound: the round's one line on its bounded replies is a WARNING naming it
     (line,) = [r for r in caplog.records if "replies bounded" in r.getMessage()]
     assert line.levelno == logging.WARNING
@@ -170,13 +170,16 @@ def test_honest_clients_whose_counts_differ_log_one_info_line_a_round_and_no_war
                          for v, c in counts.items()})
     lines = [r for r in caplog.records if "bounded" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
-    assert lines[0].getMessage().startswith("round 1: 2 of 5 replies bounded: example counts capped at 214 (2), "
-                                            "update norms clipped to 1.5x the lower median, ")
-    assert lines[0].getMessage().endswith(" (1)")
+    message = lines[0].getMessage()
+    assert message.startswith("round 1: 3 of 5 replies bounded: example counts capped at 214 (2), "
+                              "update norms clipped to 1.5x the lower median, "), message
+    assert ", distances from the median update clipped to 1x their lower median, " in message
+    assert message.endswith(" (2)")
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     bounded = strat.round_record()["bounded"]
     assert [(b["node_id"], b["kind"]) for b in bounded] == [(1, "examples-capped"), (4, "examples-capped"),
-                                                           (4, "norm-clipped")]
+                                                           (4, "norm-clipped"), (2, "center-clipped"),
+                                                           (4, "center-clipped")]
     assert bounded[0]["detail"] == "num-examples 360 counted as 214"
 
 
