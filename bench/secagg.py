@@ -3,6 +3,7 @@
     .venv/bin/python bench/secagg.py              # ~5 min on 2 cores; writes docs/bench/secagg/
     .venv/bin/python bench/secagg.py --quick      # protocol table + one simulation pair at N=4
     .venv/bin/python bench/secagg.py --scale --scale-max 200   # n = 10..200, 10% dropouts: OUT/scale.md
+    .venv/bin/python bench/secagg.py --bound      # ~2 s: one hostile uploader's reach, OUT/bound.md
 
 1. **Protocol** (in one process, no Flower runtime: ``strategies.secure_round.local_round``,
    the same messages and checks as a run). For each N and two payloads — FLITE's 1,280
@@ -315,6 +316,59 @@ def scale_main(sizes: list[int], out: Path, command: str, fraction: float = 0.1)
     return rows
 
 
+def bound_rows(sizes=(4, 5, 10, 16, 17), bits=(4, 16), dim=10_000, seed=0) -> list[dict]:
+    """One hostile uploader of ``m`` under secure aggregation, knowing the honest sum (the worst case),
+    through the server's own fixed point (``FixedPoint``: encode, the sum mod 2^k, ``clamp_sum``, decode).
+    Honest updates ``0.25·clip·(c + 0.5·ε_i)``; the hostile one: *in range* (−clip × the sign of the honest
+    mean, encoded as a client would), *wrap* (a residue that makes each coordinate's sum 0 or 2^k − 1, the
+    farthest from the honest mean), *range ends* (sums 0 or m·levels: what no check on the sum can tell
+    from honest uploads). Displacement: ‖mean with it − mean of the honest uploads‖ / ‖mean of the honest
+    uploads‖, without the clamp (before #62) and with it."""
+    from strategies.secagg import FixedPoint
+
+    rows = []
+    for b in bits:
+        for m in sizes:
+            fixed = FixedPoint(bits=b, clip=1.0, num_clients=m)
+            rng = np.random.default_rng([seed, m, b])
+            common = rng.normal(size=dim)
+            honest = [fixed.encode(0.25 * (common + 0.5 * rng.normal(size=dim)), rng)[0] for _ in range(m - 1)]
+            honest_sum = np.sum(honest, axis=0).astype(np.uint64)
+            reference = fixed.decode_sum(honest_sum, m - 1) / (m - 1)
+            up = reference < 0  # push each value away from the honest mean
+            modulus, top = np.uint64(fixed.modulus), np.uint64(m * fixed.levels)
+            targets = {
+                "in range": None,
+                "wrap": np.where(up, modulus - np.uint64(1), np.uint64(0)),
+                "range ends": np.where(up, top, np.uint64(0)),
+            }
+            for attack, target in targets.items():
+                if target is None:
+                    mine = fixed.encode(np.where(up, 1.0, -1.0), rng)[0]
+                else:
+                    mine = (target + modulus - honest_sum % modulus) % modulus
+                total = (honest_sum + mine) % modulus
+                row = {"bits": b, "uploaders": m, "modulus_bits": fixed.modulus_bits, "attack": attack}
+                for name, summed in (("unclamped", total), ("clamped", fixed.clamp_sum(total, m)[0])):
+                    mean = fixed.decode_sum(summed, m) / m
+                    row[name] = float(np.linalg.norm(mean - reference) / np.linalg.norm(reference))
+                rows.append(row)
+    return rows
+
+
+def bound_report(rows: list[dict], command: str) -> str:
+    lines = ["# One hostile uploader under secure aggregation: how far it moves the mean", "",
+             f"`{command}` (numpy only, ~2 s). In honest steps: ‖mean with it − mean of the honest uploads‖ / "
+             "‖mean of the honest uploads‖; the hostile client knows the honest sum (the worst case). "
+             "*unclamped*: the sum decoded as it unmasks (before issue #62); *clamped*: "
+             "`FixedPoint.clamp_sum` first, as the server now does.", "",
+             "| bits | uploaders m | modulus bits | attack | unclamped | clamped |", "|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['bits']} | {r['uploaders']} | {r['modulus_bits']} | {r['attack']} | {r['unclamped']:.2f} "
+                     f"| {r['clamped']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="protocol table + one simulation pair at N=4")
@@ -326,11 +380,21 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", action="store_true", help="only the scale table: n = 10, 50, 100 (and up to "
                         "--scale-max) clients, 10%% dropping mid-round / after uploading; writes OUT/scale.md, .json")
     parser.add_argument("--scale-max", type=int, default=100)
+    parser.add_argument("--bound", action="store_true", help="only one hostile uploader's reach (in range, "
+                        "wrapping around the modulus, at the range's ends), before and after the clamp: OUT/bound.md")
     args = parser.parse_args(argv)
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # messages outside a Flower run
     command = "python bench/secagg.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    if args.bound:
+        rows = bound_rows()
+        text = bound_report(rows, command)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bound.md").write_text(text + "\n")
+        (args.out / "bound.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+        print(text)
+        return 0
     if args.scale:
         scale_main([n for n in (10, 50, 100, 200) if n <= args.scale_max], args.out, command)
         return 0

@@ -42,7 +42,11 @@ One round, with ``n`` clients and threshold ``t``:
 
 ``k = bits + ⌈log2 n⌉``, so the sum of ``n`` honest values never wraps: int4 values sum in one
 byte for up to 16 clients. Whatever a client sends, its contribution is one value mod ``2^k``
-per coordinate: the decoded mean stays inside :meth:`FixedPoint.mean_bound`.
+per coordinate, and the server brings the sum into what the uploaders could honestly send
+(:meth:`FixedPoint.clamp_sum`): the decoded mean stays inside ``[-clip, clip]``. Within that, one
+client can still move a coordinate across the whole range (by wrapping its residue around the
+modulus), not only by its ``1/m`` share: bounding that needs a per-client range proof (RoFL, EIFFeL),
+which this protocol does not have (docs/secure-aggregation.md, "The bound").
 """
 
 from __future__ import annotations
@@ -136,10 +140,25 @@ class FixedPoint:
         """The sum of ``count`` clients' values from the sum of their levels (mod ``2^k``)."""
         return np.asarray(total, np.float64) * self.step - count * float(self.clip)
 
+    def clamp_sum(self, total: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+        """(the sum of ``count`` uploads' levels brought into what ``count`` honest clients can send,
+        ``[0, count·levels]``; how many values lay outside it). A residue outside can only come from a
+        client that masked levels outside ``[0, levels]`` (it wraps around the modulus: issue #62
+        measured 13.8x the honest step that way); it goes to the nearer end of the range, mod ``2^k``."""
+        total = np.asarray(total, np.uint64)
+        top = np.uint64(int(count) * self.levels)
+        outside = total > top
+        if not np.any(outside):
+            return total, 0
+        above = total - top  # how far past the top, against how far below 0 (= 2^k − residue) once wrapped
+        below = np.uint64(self.modulus) - total
+        return np.where(outside, np.where(above <= below, top, np.uint64(0)), total), int(np.count_nonzero(outside))
+
     def mean_bound(self, count: int) -> float:
-        """The largest |mean| any ``count`` replies can decode to, hostile ones included: the sum is
-        a residue in ``[0, 2^k)``."""
-        return max(float(self.clip), (self.modulus - 1) * self.step / count - float(self.clip))
+        """The largest |mean| any ``count`` replies decode to, hostile ones included, once the sum is
+        :meth:`clamp_sum`'s: ``clip``, the honest range (without the clamp a wrapped residue reached
+        ``(2^k − 1)·step/count − clip``, up to 2.4x ``clip``)."""
+        return float(self.clip)
 
 
 def default_threshold(n: int) -> int:

@@ -132,6 +132,7 @@ class SecureRound:
         self.convicted: dict[int, str] = {}  # node -> what it provably did (evidence: the settled complaint)
         self.evidence: list[dict] = []  # each settled complaint, as anyone can check it again (hex)
         self.final: list[int] | None = None  # the participants who mask: set once the complaints are settled
+        self.outside = 0  # values of the unmasked sum no honest uploads give (FixedPoint.clamp_sum)
         self.mail: dict[int, dict[int, bytes]] = {}  # recipient -> {sender: encrypted share}
         self.masked: dict[int, np.ndarray] = {}
         self.dropped: dict[int, str] = {}  # node -> why it left the round
@@ -391,6 +392,7 @@ class SecureRound:
         finally:
             for node, why in sorted(liars.items()):
                 self._drop(node, f"unmask: {why}")
+        total, self.outside = self.fixed.clamp_sum(total, len(self.masked))
         values = self.fixed.decode_sum(total, len(self.masked))
         out, start = {}, 0
         for key, shape in self.layout.items():

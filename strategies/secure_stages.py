@@ -14,9 +14,11 @@ strategy's one aggregation tail (``strategy.mean_of_sum``, then ``strategy.relea
 from __future__ import annotations
 
 from collections.abc import Iterable
+from logging import WARNING
 
 import numpy as np
 from flwr.app import Message
+from flwr.common.logger import log
 
 from strategies import codec
 from strategies.codec import PayloadError
@@ -152,7 +154,11 @@ class SecureStages:
         self.ledger.current["secure"] = {
             "uploaded": count, "participants": len(secure.participants), "threshold": secure.threshold,
             "bits": secure.fixed.bits, "modulus_bits": secure.fixed.modulus_bits, "clip": secure.fixed.clip,
-            "dropped": {str(k): v for k, v in secure.dropped.items()}}
+            "dropped": {str(k): v for k, v in secure.dropped.items()}, "out_of_range": secure.outside}
+        if secure.outside:
+            log(WARNING, "round %s: %d values of the secure sum lay outside what %d honest clients can send: a "
+                "client masked values outside the encoding's range (it cannot be named under masking); brought "
+                "into the range", server_round, secure.outside, count)
         # clients always mask their update (what they trained minus what they received), whatever
         # the method's uplink: updates are small, so a narrow clip range resolves them
         with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused in release

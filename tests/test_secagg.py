@@ -137,12 +137,29 @@ def test_fixed_point_bounds_any_reply():
     fixed = FixedPoint(bits=4, clip=0.5, num_clients=4)
     levels, clipped = fixed.encode(np.array([-2.0, -0.5, 0.0, 0.5, 3.0]), np.random.default_rng(0))
     assert clipped == 2 and levels.min() >= 0 and levels.max() <= 15
-    worst = fixed.decode_sum(np.full(3, fixed.modulus - 1, np.uint64), 4) / 4  # any residue decodes inside the bound
-    assert np.all(np.abs(worst) <= fixed.mean_bound(4))
-    assert fixed.mean_bound(4) <= 2 * fixed.clip
+    residues = np.arange(fixed.modulus, dtype=np.uint64)  # every residue four uploads can sum to
+    total, outside = fixed.clamp_sum(residues, 4)
+    assert outside == fixed.modulus - 1 - 4 * fixed.levels  # 61..63: no four honest uploads give them
+    worst = fixed.decode_sum(total, 4) / 4  # any residue decodes inside the honest range
+    assert np.all(np.abs(worst) <= fixed.mean_bound(4) + 1e-12) and fixed.mean_bound(4) == fixed.clip
     with pytest.raises(SecAggError, match="1..24 bits"):
         FixedPoint(bits=25, clip=1.0, num_clients=4)
     with pytest.raises(SecAggError, match="1..255 clients"):
         FixedPoint(bits=4, clip=1.0, num_clients=256)
     with pytest.raises(SecAggError, match="NaN"):
         fixed.encode(np.array([np.nan]), np.random.default_rng(0))
+
+
+def test_a_client_that_wraps_its_residues_around_the_modulus_cannot_leave_the_honest_range():
+    """#62 finding 7: five clients (k = 4 + 3 bits: 128 residues, 75 honest); a hostile one picks its residue so
+    that the sum wraps. Before the clamp the decoded mean reached 2.4x clip; now it stays within clip, and the
+    out-of-range values are counted (a sign that some client cheated)."""
+    fixed = FixedPoint(bits=4, clip=1.0, num_clients=5)
+    rng = np.random.default_rng(0)
+    honest = [fixed.encode(rng.uniform(-0.2, 0.2, 1000), rng)[0] for _ in range(4)]
+    wrap = (np.uint64(fixed.modulus - 1) - np.sum(honest, axis=0)) % np.uint64(fixed.modulus)  # sum -> 2^k - 1
+    total = (np.sum(honest, axis=0) + wrap) % np.uint64(fixed.modulus)
+    assert np.all(fixed.decode_sum(total, 5) / 5 > 2.3 * fixed.clip)  # what the sum decodes to unclamped
+    clamped, outside = fixed.clamp_sum(total, 5)
+    assert outside == 1000
+    assert np.all(np.abs(fixed.decode_sum(clamped, 5) / 5) <= fixed.clip + 1e-12)

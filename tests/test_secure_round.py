@@ -54,6 +54,7 @@ def test_the_secure_mean_is_the_plain_mean_of_the_quantised_updates():
     np.testing.assert_allclose(flat(new), plain_mean(strat, updates, [3, 9, 14, 20]), atol=1e-6)
     record = strat.round_record()
     assert record["secure"]["uploaded"] == 4 and record["secure"]["modulus_bits"] == 18
+    assert record["secure"]["out_of_range"] == 0  # honest uploads never sum outside the range
     clients = record["clients"]
     assert all(c["uplink_payload_bytes"] == 17 * 4 for c in clients.values())  # 17 values, uint32 residues
     assert all(c["secagg_uplink_bytes"] > 0 and c["secagg_downlink_bytes"] > 0 for c in clients.values())
@@ -99,7 +100,7 @@ def test_a_hostile_upload_is_refused_by_its_size_and_a_hostile_value_moves_the_m
             arrays[key] = Array(dtype=a.dtype, shape=a.shape, stype=a.stype, data=values.tobytes())
 
     new = drive(strat, updates_for([3, 9, 14, 20]), tamper=huge)
-    assert np.max(np.abs(flat(new))) <= strat.secure.fixed_point(4).mean_bound(4) + 1e-9
+    assert np.max(np.abs(flat(new))) <= strat.secure.fixed_point(4).mean_bound(4) + 1e-9  # = clip
 
 
 def test_flite_checks_the_fingerprint_of_a_masked_reply_and_int4_masks_fit_in_a_byte():
