@@ -82,7 +82,7 @@ def test_every_method_and_channel_composes_or_is_refused_with_the_reason():
 def test_the_latent_mean_expands_to_the_mean_update_and_clients_and_server_agree():
     from strategies.robust import Robustness
 
-    strategy = latent_strategy(robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))  # robust=off: the exact weighted mean (10, 20, 30 examples)
+    strategy = latent_strategy(robustness=Robustness.off())  # robust=off: the exact weighted mean (10, 20, 30 examples)
     channel = strategy.channel
     assert channel.layout() == {LATENT_KEY: (K,)} and strategy.uplink_budget == 4 * K
     rng = np.random.default_rng(0)

@@ -38,7 +38,7 @@ def test_delta_uplink_adds_the_mean_update_to_the_fp32_global_latents():
 
     # robust=off: the example-weighted mean update exactly (the defaults cap 3 examples at 1, clip 0.4 to 1.5 x 0.1)
     s = strategy(n=4, fmt="fp32", uplink="delta",
-                 robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))
+                 robustness=Robustness.off())
     s.global_state["z"] = np.array([1, 2, 3, 4], np.float32)
     arrays, _ = s.aggregate_train(1, [reply(1, np.full(4, 0.1, np.float32), fmt="fp32", n=1),
                                       reply(2, np.full(4, 0.4, np.float32), fmt="fp32", n=3)])

@@ -39,11 +39,13 @@ def check_run(summary: dict) -> None:
     # the 1,000x update clipped; with the default examples_multiple=1 the larger of the two partitions is
     # also counted as the smaller one (an honest node's count may be the one capped)
     assert (2, "norm-clipped") in [(rnd, kind) for rnd, kind, n in bounded if n in node], bounded
-    assert {(rnd, kind) for rnd, kind, _ in bounded} <= {(2, "norm-clipped"), (2, "examples-capped")}, bounded
+    # and, clipped, still the farthest from the round's median update: pulled in by the centered clip too
+    assert {(rnd, kind) for rnd, kind, _ in bounded} <= {(2, "norm-clipped"), (2, "examples-capped"),
+                                                         (2, "center-clipped")}, bounded
     assert [kind for _, kind, n in bounded if n not in node] in ([], ["examples-capped"]), bounded
     assert summary["refused_by_kind"] == {"metrics": 3, "payload": 1}
     assert summary["bounded_by_kind"]["norm-clipped"] == 1
-    assert set(summary["bounded_by_kind"]) <= {"norm-clipped", "examples-capped"}
+    assert set(summary["bounded_by_kind"]) <= {"norm-clipped", "examples-capped", "center-clipped"}
     # the model still learns, and the reported metric is the honest clients'
     assert np.isfinite(summary["final_metric"]) and summary["final_metric"] < summary["initial_metric"]
 

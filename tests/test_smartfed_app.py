@@ -104,7 +104,7 @@ def test_downlink_carries_only_the_active_experts_and_the_backbone_fingerprint()
 def test_sparse_aggregation_moves_only_updated_experts_and_reallocates():
     from strategies.robust import Robustness
 
-    strategy, records = make_strategy(budget=4, robustness=Robustness(norm_clip="none", examples_multiple=None, max_abs=None))  # robust=off: the exact weighted mean
+    strategy, records = make_strategy(budget=4, robustness=Robustness.off())  # robust=off: the exact weighted mean
     before = strategy.state.copy()
     sent = {m: list(v) for m, v in strategy.allocation.active.items()}
     a = codec.encode(update_for(strategy, scale=1.0))
