@@ -185,8 +185,11 @@ class _Rounds:
     def send(self, server_round: int, phase: str, messages) -> list[Message]:
         messages = list(messages)
         quorum = min(self.min_clients, len(messages)) if self.min_clients else None
+        # an in-memory grid (a simulation) is as cheap to poll as it says (Flower's pull_interval); a SuperLink's
+        # pull is a network call: every 0.2 s
+        poll = min(0.2, float(getattr(self.grid, "pull_interval", 0.2)))
         replies, missing = collect_replies(self.grid, messages, timeout=self.timeout, quorum=quorum,
-                                           straggler_timeout=self.straggler_timeout)
+                                           straggler_timeout=self.straggler_timeout, poll=poll)
         for node_id, reason in sorted(missing.items()):
             self.strategy.record_missing(server_round, node_id, phase, reason)
         if messages and not replies:

@@ -52,7 +52,36 @@ def client_config(msg: Message, context: Context):
         context.state[CONFIG_RECORD] = ConfigRecord({"yaml": str(record["yaml"])})
     if CONFIG_RECORD not in context.state.config_records:
         raise ClientSetupError("no run configuration received yet (the server sends it with its first message)")
-    return from_yaml(str(context.state.config_records[CONFIG_RECORD]["yaml"]))
+    return parsed(str(context.state.config_records[CONFIG_RECORD]["yaml"]))
+
+
+_PARSED: dict[str, object] = {}  # this process's run configs by their YAML (a few runs at most)
+_RUN_KEYS: dict[int, tuple[object, tuple, str]] = {}  # id(config) -> (the config, SCOPE, its session key)
+
+
+def parsed(text: str):
+    """The run's config from its YAML, parsed once per process and read-only: a simulation's worker
+    serves thousands of messages of one run, and parsing the YAML was 28% of a Fashion-MNIST client's
+    message (bench/thousand.py)."""
+    cfg = _PARSED.get(text)
+    if cfg is None:
+        if len(_PARSED) >= 4:
+            _PARSED.clear()
+        cfg = from_yaml(text)
+        OmegaConf.set_readonly(cfg, True)  # shared by every message: a view that changes it is a copy
+        _PARSED[text] = cfg
+    return cfg
+
+
+def _run_key(cfg) -> str:
+    """The session cache's key of a run config (with this process's SCOPE), computed once per config."""
+    kept = _RUN_KEYS.get(id(cfg))
+    if kept is None or kept[0] is not cfg or kept[1] != SCOPE:
+        if len(_RUN_KEYS) >= 8:
+            _RUN_KEYS.clear()
+        kept = (cfg, SCOPE, hashlib.sha256(repr((str(cfg), SCOPE)).encode()).hexdigest())
+        _RUN_KEYS[id(cfg)] = kept
+    return kept[2]
 
 
 def partition_of(context: Context, cfg) -> tuple[int, int]:
@@ -148,7 +177,7 @@ def session(cfg, context: Context, prepare: Callable[[object], tuple]) -> Sessio
     cfg = node_view(cfg, context)
     pid, n = partition_of(context, cfg)
     global BUILDS
-    run_key = hashlib.sha256(repr((str(cfg), SCOPE)).encode()).hexdigest()
+    run_key = _run_key(cfg)
     if run_key not in _MODELS:
         evict()  # one run per process at a time: free the previous model
         BUILDS += 1

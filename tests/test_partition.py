@@ -11,6 +11,7 @@ import pytest
 
 from omegaconf import OmegaConf
 
+from clients import partition
 from clients.partition import PartitionError, held_out_split, natural_groups, partition_indices, train_test_split
 
 LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 10 balanced labels
@@ -161,7 +162,8 @@ def test_the_cache_key_holds_every_setting_and_the_labels(tmp_path, monkeypatch)
     got = partition_indices(other_labels, **base)
     monkeypatch.setenv("POSTCARD_PARTITION_CACHE", "off")
     assert np.array_equal(got, partition_indices(other_labels, **base))
-    assert len(list(tmp_path.glob("*.npy"))) == len(variants) + 1
+    # one file per partitioning: partition_id 2 reads the file partition_id 1 wrote (every client's indices)
+    assert len(list(tmp_path.glob("*.npy"))) == len(variants)
 
 
 def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch):
@@ -169,11 +171,20 @@ def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     kw = {"method": "iid", "num_partitions": 4, "partition_id": 0, "seed": 0}
     good = partition_indices(LABELS, **kw)
     (entry,) = tmp_path.glob("*.npy")
+    packed = np.load(entry)
     entry.write_bytes(b"not an array")
+    partition._PACKED.clear()  # a new process: nothing in memory
     assert np.array_equal(partition_indices(LABELS, **kw), good)
-    np.save(entry, np.array([5_000], dtype=np.int64))  # out of range for these labels
+    bad = packed.copy()
+    bad[-1] = 5_000  # out of range for these labels
+    np.save(entry, bad)
+    partition._PACKED.clear()
     assert np.array_equal(partition_indices(LABELS, **kw), good)
-    assert np.array_equal(np.load(entry), good)  # rewritten
+    assert np.array_equal(np.load(entry), packed)  # rewritten
+    np.save(entry, np.array([0, 3, 2, 1, 7], dtype=np.int64))  # offsets that go back
+    partition._PACKED.clear()
+    assert np.array_equal(partition_indices(LABELS, **kw), good)
+    partition._PACKED.clear()
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("POSTCARD_PARTITION_CACHE", str(blocker / "below"))  # cannot be created
