@@ -12,7 +12,9 @@ every client and cached), ``strategy.fraction_train = fraction_evaluate = --per-
 the headroom setting of docs/results.md) with bench/flite.py's default learning rate (not tuned
 for this model: the accuracy column says the runs work, it compares nothing). Arms (bench/flite.py's, by name): FLITE int4 (fixed subspace),
 per-round FLITE (``full-latent-int4``: the latent channel both ways), fedavg-full fp32 and int4,
-top-k with error feedback, PowerSGD. ``--llm`` adds fedavg-lora on the tiny random-init Llama
+top-k with error feedback, PowerSGD; ``flite-dp`` (by ``--methods``): FLITE under central DP,
+ε = 8 at δ = 1/N over ``--dp-rounds`` (50), clients sampled by Poisson at q = 0.1 as the
+accountant assumes, ε reported per round. ``--llm`` adds fedavg-lora on the tiny random-init Llama
 (Shakespeare, IID, preset ``test``) at the same scale, 2 rounds.
 
 Per arm, from the run's ``metrics.jsonl`` (rounds after the first, whose actors start cold):
@@ -93,10 +95,12 @@ def run_arm(name: str, args, out: Path) -> dict:
         cfg = compose([*common, f"rounds={rounds}", "partition=iid"], algorithm="fedavg-lora", task="shakespeare",
                       preset="test")
     else:
-        algorithm, overrides, lr = METHODS[name]
+        algorithm, overrides, lr = METHODS["flite-int4" if name == "flite-dp" else name]
+        if name == "flite-dp":  # central DP, user-level: ε = 8 at δ = 1/N over the run, Poisson sampling at q
+            overrides = [*overrides, "privacy.mode=central", "privacy.epsilon=8", f"privacy.delta={1 / args.clients}"]
         if name == "full-latent-int4":  # the tiny CNN's tensors hold fewer than 64 x 8 values: let each take more
             overrides = [*overrides, "channel.rank=1024"]
-        rounds = args.flite_rounds if name == "flite-int4" else args.rounds
+        rounds = {"flite-int4": args.flite_rounds, "flite-dp": args.dp_rounds}.get(name, args.rounds)
         cfg = compose([*common, *overrides, f"rounds={rounds}", "task.max_examples=null", "train.local_steps=5",
                        f"train.lr={lr}", "partition=dirichlet", "partition.alpha=0.5", "task.public_fraction=0.01"],
                       algorithm=algorithm, task="fmnist", model="tiny-cnn", base="public")
@@ -119,6 +123,9 @@ def run_arm(name: str, args, out: Path) -> dict:
     workers = max(1, int((os.cpu_count() or 1) // args.client_cpus))
     rows = rounds_of(Path(result["run_dir"]), workers)
     summary = json.loads((Path(result["run_dir"]) / "summary.json").read_text())
+    from fedapps.outputs import read_metrics
+
+    privacy = [(r["round"], r["privacy"]) for r in read_metrics(result["run_dir"]) if r.get("privacy")]
 
     def mean(key):
         return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
@@ -129,6 +136,7 @@ def run_arm(name: str, args, out: Path) -> dict:
             "server_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "ray_workers_mb": peak["ray"], "final_metric": summary.get("final_metric"),
             "initial_metric": summary.get("initial_metric"),
+            "privacy": [{"round": k, **v} for k, v in privacy],
             "uplink_bytes": summary.get("uplink_bytes_per_client_per_round"), "run_dir": str(result["run_dir"])}
 
 
@@ -143,11 +151,22 @@ def report(rows: list[dict], command: str, args, failed: list[str] = ()) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         metric = "–" if r["final_metric"] is None else f"{r.get('initial_metric') or float('nan'):.3f} → {r['final_metric']:.3f}"
-        lines.append(f"| {r['arm']} | {r['rounds']} | {r['run_seconds']:.0f} | {r['wall']:.2f} | {r['spread']:.2f} | "
-                     f"{r['method'] / r['workers']:.2f} | {r['overhead']:.2f} | {100 * r['overhead_share']:.0f}% | "
-                     f"{1000 * r['overhead'] * r['workers'] / max(r['messages'], 1):.1f} | "
+        if r["messages"]:
+            work = (f"{r['spread']:.2f} | {r['method'] / r['workers']:.2f} | {r['overhead']:.2f} | "
+                    f"{100 * r['overhead_share']:.0f}% | {1000 * r['overhead'] * r['workers'] / r['messages']:.1f}")
+        else:  # a private run keeps nothing per client, client-seconds included
+            work = "– | – | – | – | –"
+        lines.append(f"| {r['arm']} | {r['rounds']} | {r['run_seconds']:.0f} | {r['wall']:.2f} | {work} | "
                      f"{r['server_peak_mb']:.0f} | {r['ray_workers_mb']:.0f} | {metric} |")
     lines += [f"- **failed**: {f}" for f in failed]
+    for r in rows:
+        if r.get("privacy"):
+            marks = [p for p in r["privacy"] if p["round"] in (1, 10, 25, r["rounds"])]
+            first = r["privacy"][-1]
+            lines += ["", f"{r['arm']}: central DP, Poisson sampling at q = {args.per_round / args.clients:g} of "
+                          f"{args.clients}, δ = 1/N = {1 / args.clients:g}, noise multiplier "
+                          f"{first.get('noise_multiplier', float('nan')):.3g}; ε after round "
+                          + ", ".join(f"{p['round']}: {p['epsilon']:.3g}" for p in marks) + "."]
     flite = next((r for r in rows if r["arm"] == "flite-int4"), None)
     if flite is not None:
         rounds_met = flite["rounds"] >= 30 and flite["run_seconds"] <= 1800
@@ -158,6 +177,15 @@ def report(rows: list[dict], command: str, args, failed: list[str] = ()) -> str:
     return "\n".join(lines)
 
 
+def render(out: Path) -> str:
+    """OUT/thousand.md again from OUT/thousand.json (what each run measured is kept there)."""
+    data = json.loads((out / "thousand.json").read_text())
+    settings = argparse.Namespace(**data.get("settings", {"clients": 1000, "per_round": 100}))
+    text = report(data["rows"], data["command"], settings, data.get("failed", []))
+    (out / "thousand.md").write_text(text + "\n")
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="FLITE only, 3 rounds")
@@ -165,7 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--per-round", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every arm but FLITE")
     parser.add_argument("--flite-rounds", type=int, default=30)
-    parser.add_argument("--methods", nargs="+", default=list(ARMS), choices=[*ARMS, "llm-fedavg-lora"])
+    parser.add_argument("--dp-rounds", type=int, default=50, help="rounds of the flite-dp arm")
+    parser.add_argument("--methods", nargs="+", default=list(ARMS), choices=[*ARMS, "llm-fedavg-lora", "flite-dp"])
     parser.add_argument("--llm", action="store_true", help="also fedavg-lora on the tiny Llama, 2 rounds")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="simulation.client_cpus (workers = cores / it)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "thousand")
@@ -186,12 +215,13 @@ def main(argv=None) -> int:
             print(f"thousand: {name} failed: {err}", file=sys.stderr, flush=True)
             continue
         r = rows[-1]
-        print(f"thousand: {name}: {r['rounds']} rounds in {r['run_seconds']:.0f} s, {r['wall']:.2f} s a round, "
-              f"overhead {100 * r['overhead_share']:.0f}%", file=sys.stderr, flush=True)
+        print(f"thousand: {name}: {r['rounds']} rounds in {r['run_seconds']:.0f} s, {r['wall']:.2f} s a round",
+              file=sys.stderr, flush=True)
         text = report(rows, command, args, failed)  # written after every arm: a long run keeps what it did
         (args.out / "thousand.md").write_text(text + "\n")
-        (args.out / "thousand.json").write_text(json.dumps({"command": command, "rows": rows, "failed": failed},
-                                                           indent=1) + "\n")
+        (args.out / "thousand.json").write_text(json.dumps(
+            {"command": command, "settings": {"clients": args.clients, "per_round": args.per_round}, "rows": rows,
+             "failed": failed}, indent=1) + "\n")
     text = report(rows, command, args, failed)
     (args.out / "thousand.md").write_text(text + "\n")
     print(text)

@@ -53,14 +53,18 @@ def _event(noise_multiplier: float, sample_rate: float, rounds: int):
 
 @contextlib.contextmanager
 def _quiet():
-    """dp-accounting logs (through absl) every RDP order it leaves out: not the user's business."""
-    logger = logging.getLogger("absl")
-    level = logger.level
+    """dp-accounting logs (through absl) every RDP order it leaves out: not the user's business. absl's
+    first warning also calls ``logging.basicConfig()``, which gave the root logger a handler of its own:
+    from then on every Flower log line was printed twice; a handler added during the call is removed."""
+    logger, root = logging.getLogger("absl"), logging.getLogger()
+    level, handlers = logger.level, list(root.handlers)
     logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         logger.setLevel(level)
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
 
 
 def epsilon_spent(noise_multiplier: float, sample_rate: float, rounds: int, delta: float) -> float:

@@ -91,3 +91,16 @@ def test_local_mode_the_server_averages_the_noised_updates_without_clipping_them
     strategy = run_round(settings, noised)
     np.testing.assert_allclose(strategy.global_state["w"], (noised[1] + noised[2]) / 2, atol=1e-6)
     assert not strategy.round_record()["bounded"] and strategy.round_record()["privacy"]["mode"] == "local"
+
+
+def test_the_accountant_leaves_the_root_logger_as_it_was():
+    """q = 0.1 over RDP orders dp-accounting cannot converge on: absl's warning called logging.basicConfig(),
+    the root logger kept a stderr handler, and every Flower line of a DP run at 1,000 clients printed twice."""
+    import logging
+
+    from strategies.privacy import epsilon_spent
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    assert epsilon_spent(1.0, 0.1, 3, 1e-3) > 0
+    assert root.handlers == before
