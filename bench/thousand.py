@@ -125,7 +125,10 @@ def run_arm(name: str, args, out: Path) -> dict:
     summary = json.loads((Path(result["run_dir"]) / "summary.json").read_text())
     from fedapps.outputs import read_metrics
 
-    privacy = [(r["round"], r["privacy"]) for r in read_metrics(result["run_dir"]) if r.get("privacy")]
+    records = read_metrics(result["run_dir"])
+    privacy = [(r["round"], r["privacy"]) for r in records if r.get("privacy")]
+    down = sorted(c[f"{p}_downlink_payload_bytes"] for r in records if r["round"] >= 1 for c in r["clients"]
+                  for p in ("train", "eval") if f"{p}_downlink_payload_bytes" in c)
 
     def mean(key):
         return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
@@ -137,6 +140,8 @@ def run_arm(name: str, args, out: Path) -> dict:
             "ray_workers_mb": peak["ray"], "final_metric": summary.get("final_metric"),
             "initial_metric": summary.get("initial_metric"),
             "privacy": [{"round": k, **v} for k, v in privacy],
+            "downlink_bytes": {q: (down[min(len(down) - 1, int(q / 100 * len(down)))] if down else None)
+                               for q in (0, 50, 90, 99, 100)},
             "uplink_bytes": summary.get("uplink_bytes_per_client_per_round"), "run_dir": str(result["run_dir"])}
 
 
@@ -159,6 +164,12 @@ def report(rows: list[dict], command: str, args, failed: list[str] = ()) -> str:
         lines.append(f"| {r['arm']} | {r['rounds']} | {r['run_seconds']:.0f} | {r['wall']:.2f} | {work} | "
                      f"{r['server_peak_mb']:.0f} | {r['ray_workers_mb']:.0f} | {metric} |")
     lines += [f"- **failed**: {f}" for f in failed]
+    lines += ["", "Downlink payload bytes per message (rounds 1 and on, training and evaluation), min / median / "
+                  "90th / 99th percentile / max:"]
+    for r in rows:
+        d = {int(k): v for k, v in (r.get("downlink_bytes") or {}).items()}
+        if d.get(50) is not None:
+            lines.append(f"- {r['arm']}: " + " / ".join(f"{d[q]:,}" for q in (0, 50, 90, 99, 100)))
     for r in rows:
         if r.get("privacy"):
             marks = [p for p in r["privacy"] if p["round"] in (1, 10, 25, r["rounds"])]

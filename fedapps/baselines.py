@@ -93,7 +93,8 @@ def load_global(call: ClientCall) -> dict[str, torch.Tensor]:
 
     s = call.session
     values = received_state(call.cfg, call.arrays, s.extra.get("initial", {}), store=call.context.state,
-                            since=int(call.config.get(LatentSync.SINCE, 0) or 0))
+                            since=int(call.config.get(LatentSync.SINCE, 0) or 0),
+                            snapshot=int(call.config.get(LatentSync.SNAPSHOT, 0) or 0))
     state = {k: torch.from_numpy(v) for k, v in values.items()}
     load_federated_state(s.model, state)
     return state

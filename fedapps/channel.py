@@ -31,7 +31,7 @@ Composing a config imports this module: it imports no torch (the factors are mad
 
 from __future__ import annotations
 
-import functools
+import collections
 import hashlib
 import math
 from collections.abc import Sequence
@@ -145,6 +145,9 @@ def allocate(shapes: dict[str, tuple[int, ...]], settings: LatentSettings) -> di
                            "(lower channel.latents or raise channel.rank)") from None
 
 
+REDRAWS = 8  # draws of one round's factors for a tensor before its directions are called dependent
+
+
 def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], latents: dict[str, int],
                   server_round: int) -> dict[str, tuple]:
     """Each tensor's ``(A, B, V)`` of round ``server_round`` (CPU fp32 torch tensors; ``V`` orthonormalised
@@ -155,21 +158,46 @@ def round_factors(settings: LatentSettings, shapes: dict[str, tuple[int, ...]], 
     for key in sorted(shapes):
         m, n = matrix_shape(shapes[key])
         k = latents[key]
-        spec = LayerSpec(name=f"channel/round-{int(server_round)}/{key}", kind="linear", matrix_shape=(m, n),
-                         latents=k, rank=max(k, min(settings.rank, m * n)), param_names=("weight",))
-        factors = build_factors(settings.seed, spec, [], settings.scale, "unit")
+        for attempt in range(REDRAWS):
+            # a draw whose directions are numerically dependent (a small tensor given as many latents as
+            # values: rare, but it stopped a run at round 45 of 50) is drawn again under a derived name,
+            # the same on the server and every client; the first draw is the one it always was
+            name = f"channel/round-{int(server_round)}/{key}" + (f"/redraw-{attempt}" if attempt else "")
+            spec = LayerSpec(name=name, kind="linear", matrix_shape=(m, n), latents=k,
+                             rank=max(k, min(settings.rank, m * n)), param_names=("weight",))
+            try:
+                factors = build_factors(settings.seed, spec, [], settings.scale, "unit")
+                break
+            except ValueError:
+                if attempt == REDRAWS - 1:
+                    raise
         out[key] = (factors.A, factors.B, factors.basis)
     return out
 
 
-@functools.lru_cache(maxsize=2)
+FACTOR_CACHE_BYTES = 256 * 2**20  # the rounds' factors a process keeps (newest first) for replays
+_FACTORS: collections.OrderedDict = collections.OrderedDict()  # (settings, shapes, round) -> (factors, bytes)
+
+
 def cached_factors(settings: LatentSettings, shapes: tuple, server_round: int):
     """:func:`round_factors` of ``shapes`` (sorted ``(name, shape)`` pairs), made once per process and
-    round: one Ray actor trains several nodes in a round, and a client that replays a latent downlink
-    needs the factors its training of that round already made (read-only: parametrizations hold them
-    as buffers)."""
-    shapes = dict(shapes)
-    return round_factors(settings, shapes, allocate(shapes, settings), server_round)
+    round and kept while they fit in :data:`FACTOR_CACHE_BYTES`: one Ray actor trains several nodes in a
+    round, and each node that replays a latent downlink needs the factors of every round it missed — at
+    1,000 clients, 10% a round, about ten; a cache of two rounds made every such message draw them all
+    again (67 s a round by round 8, bench/thousand.py). Read-only: parametrizations hold them as buffers."""
+    key = (settings, shapes, int(server_round))
+    if key in _FACTORS:
+        _FACTORS.move_to_end(key)
+        return _FACTORS[key][0]
+    plain = dict(shapes)
+    made = round_factors(settings, plain, allocate(plain, settings), server_round)
+    size = sum(int(t.numel()) * t.element_size() for f in made.values() for t in f)
+    _FACTORS[key] = (made, size)
+    total = sum(s for _, s in _FACTORS.values())
+    while total > FACTOR_CACHE_BYTES and len(_FACTORS) > 1:
+        _, (_, dropped) = _FACTORS.popitem(last=False)
+        total -= dropped
+    return made
 
 
 def channel_factory(cfg):
@@ -204,6 +232,34 @@ _REPLAYED: dict = {}  # (settings, shapes) -> (the history replayed so far, θ_f
 
 
 STORE, STORE_SYNCED = "postcard.latent-history", "postcard.latent-synced"  # a node's context.state records
+STORE_BASE = "postcard.latent-base"  # ... and the dense snapshot its rounds replay from, once it was sent one
+
+
+def _take_snapshot(arrays, initial: dict[str, np.ndarray], store, through: int) -> dict[str, np.ndarray]:
+    """A latent downlink that is the federated tensors themselves after round ``through`` (the server sends
+    that when it is smaller than the rounds the node missed): checked against the layout, kept in ``store``
+    as the base later rounds replay from (the rounds kept before it dropped)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    values = codec.decode(arrays)
+    if sorted(values) != sorted(initial) or any(values[k].shape != np.shape(initial[k]) for k in initial):
+        raise codec.PayloadError("latent downlink: a snapshot whose tensors are not the federated ones")
+    if store is not None:
+        store[STORE_BASE] = arrays
+        store[STORE] = ArrayRecord()
+        store[STORE_SYNCED] = ConfigRecord({"through": int(through), "base": int(through)})
+    return {k: np.asarray(v, np.float32).copy() for k, v in values.items()}
+
+
+def _base_of(store, initial: dict[str, np.ndarray], since: int) -> tuple[dict[str, np.ndarray], int]:
+    """(the state a node's rounds replay from, its round): its kept snapshot, or ``initial`` (round 0) —
+    also when the server sends the whole history again (``since`` 0: it holds nothing of this node)."""
+    if store is None or STORE_BASE not in store.array_records:
+        return initial, 0
+    if not since:
+        del store.array_records[STORE_BASE]
+        return initial, 0
+    return codec.decode(store.array_records[STORE_BASE]), int(store.config_records[STORE_SYNCED].get("base", 0))
 
 
 def _merged_history(arrays, store, since: int):
@@ -229,23 +285,30 @@ def _merged_history(arrays, store, since: int):
     for key in arrays.keys():
         merged[key] = arrays[key]
     rounds = history_rounds(list(merged.keys()))
+    base = int(store.config_records[STORE_SYNCED].get("base", 0)) if since and STORE_SYNCED in store.config_records \
+        else 0
     store[STORE] = merged
-    store[STORE_SYNCED] = ConfigRecord({"through": rounds[-1][0] if rounds else 0})
+    store[STORE_SYNCED] = ConfigRecord({"through": rounds[-1][0] if rounds else base, "base": base})
     return merged
 
 
-def received_state(cfg, arrays, initial: dict[str, np.ndarray], store=None, since: int = 0) -> dict[str, np.ndarray]:
+def received_state(cfg, arrays, initial: dict[str, np.ndarray], store=None, since: int = 0,
+                   snapshot: int = 0) -> dict[str, np.ndarray]:
     """The federated tensors a downlink carries: decoded (the method's own downlink), or, with
     ``channel.downlink=latent``, replayed from ``initial`` (θ_fed,0, which the client builds as the
     server did) through every round's combined latents, as the server added them: those it was sent
     (the rounds after ``since``, its last confirmed one) and those it kept in ``store`` (its node's
-    ``context.state``). A process keeps its last replay and adds only the rounds that are new (an actor
-    serves many messages)."""
+    ``context.state``). ``snapshot`` > 0: the downlink is the tensors after that round, dense (fewer
+    bytes than the rounds missed); the node keeps it and replays later rounds from it. A process keeps
+    its last replay and adds only the rounds that are new (an actor serves many messages)."""
     settings = settings_of(cfg)
     if settings is None or settings.downlink != "latent":
         return codec.decode(arrays)
+    if snapshot:
+        return _take_snapshot(arrays, initial, store, int(snapshot))
     try:
         history_rounds(list(arrays.keys()))
+        initial, _ = _base_of(store, initial, int(since or 0))
         arrays = _merged_history(arrays, store, int(since or 0))
         rounds = history_rounds(list(arrays.keys()))
     except ValueError as err:

@@ -209,6 +209,7 @@ class PayloadFedAvg(FedAvg):
         self.ledger = RoundLedger(on_round_end)
         self.sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
         self._downlink: ArrayRecord | None = None  # downlink_arrays() of the current global state
+        self._snapshot: ArrayRecord | None = None  # federated_snapshot() of the current global state
         self.configured_nodes: set[int] = set()
         self.latent_sync = LatentSync()  # a latent downlink: the rounds each node holds (it is sent the rest)
 
@@ -269,6 +270,13 @@ class PayloadFedAvg(FedAvg):
             return record
         return codec.encode({k: self.global_state[k] for k in self.uplink_keys}, self.downlink_format)
 
+    def federated_snapshot(self) -> ArrayRecord:
+        """A latent downlink's alternative for a node that missed many rounds: the federated tensors the
+        channel moves, as they are now, in fp32 (encoded once per global state)."""
+        if self._snapshot is None:
+            self._snapshot = codec.encode({k: self.global_state[k] for k in self.channel.keys}, "fp32")
+        return self._snapshot
+
     def global_arrays(self) -> ArrayRecord:
         """The whole global state as fp32 (what ``aggregate_train`` returns, as Flower's strategies
         do): the downlink itself when that is the same record, so it is encoded once."""
@@ -292,7 +300,10 @@ class PayloadFedAvg(FedAvg):
             arrays = shared
             if self.latent_downlink:  # only the rounds this node has not confirmed (strategies.channel.LatentSync)
                 node_cfg[LatentSync.SINCE] = self.latent_sync.since(node_id)
-                arrays = self.latent_sync.record_for(node_id, self.latent_history, shared)
+                arrays, dense = self.latent_sync.record_for(node_id, self.latent_history, shared,
+                                                            snapshot=self.federated_snapshot)
+                if dense:  # fewer bytes than the rounds it missed: the tensors themselves
+                    node_cfg[LatentSync.SNAPSHOT] = self.latent_history[-1][0]
             if phase == "train":
                 node_cfg = self.train_config_for(server_round, node_id, node_cfg)
             content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: node_cfg})
@@ -368,7 +379,7 @@ class PayloadFedAvg(FedAvg):
             if got[key] != tuple(shape):
                 raise ValueError(f"checkpoint tensor '{key}' has shape {got[key]}, this run expects {tuple(shape)}")
         self.global_state = {k: np.asarray(arrays[k], dtype=np.float32).copy() for k in expected}
-        self._downlink = None
+        self._downlink = self._snapshot = None
         self.history = list(meta.get("history", []))
         self.privacy_released = int(meta.get("privacy_released", 0))
         self.sampled_rate = float(meta.get("sampled_rate", 0.0))
@@ -733,7 +744,7 @@ class PayloadFedAvg(FedAvg):
         """Replace the global values of the aggregated keys (a subclass keeps its own state in step)."""
         for key, value in values.items():
             self.global_state[key] = value.astype(np.float32)
-        self._downlink = None
+        self._downlink = self._snapshot = None
 
     def train_ended(self, server_round: int) -> None:
         """Called once a round's training replies were aggregated (plain or secure), whether or not the

@@ -168,6 +168,8 @@ class LatentSync:
     Flower run whose nodes hold nothing, starts empty)."""
 
     SINCE = "latent-since"  # the config key of a message: its history holds the rounds after this one
+    SNAPSHOT = "latent-snapshot"  # the config key of a message whose arrays are θ_fed after this round, dense
+    snapshot_below = 1.0  # a snapshot is sent when its bytes are below this × the missed rounds' (tests: larger)
 
     def __init__(self) -> None:
         self.synced: dict[int, int] = {}  # node -> the last round it holds
@@ -176,17 +178,24 @@ class LatentSync:
     def since(self, node: int) -> int:
         return self.synced.get(int(node), 0)
 
-    def record_for(self, node: int, history: list[tuple[int, Array]], full: ArrayRecord) -> ArrayRecord:
-        """The rounds of ``history`` after the node's last confirmed one (``full`` when that is all of them)."""
+    def record_for(self, node: int, history: list[tuple[int, Array]], full: ArrayRecord,
+                   snapshot: Callable[[], ArrayRecord] | None = None) -> tuple[ArrayRecord, bool]:
+        """(the rounds of ``history`` after the node's last confirmed one — ``full`` when that is all of
+        them —, False), or (``snapshot()``, True): the federated tensors after the last round, dense, when
+        those bytes are fewer than the missed rounds' (a node that missed many rounds, or joins late)."""
         since = self.since(node)
         self.sending[int(node)] = history[-1][0] if history else 0
+        missed = [(t, array) for t, array in history if t > since]
+        if snapshot is not None and missed:
+            dense = snapshot()
+            if _record_bytes(dense) < self.snapshot_below * sum(len(array.data) for _, array in missed):
+                return dense, True
         if since == 0:
-            return full
+            return full, False
         record = ArrayRecord()
-        for t, array in history:
-            if t > since:
-                record[history_key(t)] = array
-        return record
+        for t, array in missed:
+            record[history_key(t)] = array
+        return record, False
 
     def confirmed(self, node: int) -> None:
         node = int(node)
@@ -195,3 +204,7 @@ class LatentSync:
 
     def lost(self, node: int) -> None:
         self.synced.pop(int(node), None)
+
+
+def _record_bytes(record: ArrayRecord) -> int:
+    return sum(len(record[key].data) for key in record.keys())

@@ -384,6 +384,37 @@ def test_a_latent_downlink_sends_each_client_only_the_rounds_it_missed(tmp_path,
     assert downlink(missed) < downlink(whole)
 
 
+def test_a_client_that_missed_more_than_a_snapshot_is_sent_the_tensors_and_replays_on_from_them(tmp_path,
+                                                                                                 monkeypatch):
+    """#63: a client that missed many rounds (or joins late) is sent the federated tensors themselves when they
+    are fewer bytes than the rounds it missed, keeps them, and replays later rounds from them: the run's
+    metrics are bit-identical to the whole-history run's (snapshots forced here whenever a round was missed)."""
+    import json
+    import random
+
+    from inprocess import run
+    from strategies.channel import LatentSync
+
+    def one(folder):
+        random.seed(0)
+        cfg = compose(["num_clients=4", "rounds=5", "strategy.fraction_train=0.5", "strategy.fraction_evaluate=0.5",
+                       "train.local_steps=2", "channel.rank=128", "channel.downlink=latent", f"output_dir={folder}"],
+                      preset="test", algorithm="fedavg-lora", channel="latent")
+        return run(cfg)
+
+    monkeypatch.setattr(LatentSync, "snapshot_below", 1e12)  # a snapshot whenever any round was missed
+    snapshots = one(tmp_path / "snapshots")
+    records = [json.loads(line) for line in open(f"{snapshots['run_dir']}/metrics.jsonl").read().splitlines()]
+    sizes = {c.get(f"{p}_downlink_payload_bytes") for r in records for c in r["clients"] for p in ("train", "eval")}
+    assert max(s for s in sizes if s) > 10 * 648  # some messages carried the dense tensors
+    monkeypatch.setattr(LatentSync, "snapshot_below", 0.0)
+    monkeypatch.setattr(LatentSync, "since", lambda self, node: 0)  # the whole history to everyone, as before
+    whole = one(tmp_path / "whole")
+    assert snapshots["metric_by_round"] == whole["metric_by_round"]
+    assert [r.get("train_loss") for r in records] == [
+        json.loads(line).get("train_loss") for line in open(f"{whole['run_dir']}/metrics.jsonl").read().splitlines()]
+
+
 def test_the_flite_per_round_preset_sends_648_bytes_both_ways_and_trains_every_tensor(tmp_path):
     """#64: FLITE's mechanism with a fresh subspace each round, by name (conf/preset/flite-per-round.yaml):
     full FedAvg's tensors (the head included) through the latent channel, 648 int4 bytes up, the missed
@@ -404,3 +435,27 @@ def test_the_flite_per_round_preset_sends_648_bytes_both_ways_and_trains_every_t
                 down.setdefault(c["node_id"], []).append(c.get(f"{phase}_downlink_payload_bytes", 0))
     # each client is sent each committed round's latents once (with the evaluation that follows it): 2 × 648
     assert sorted(sum(v) for v in down.values()) == [2 * 648, 2 * 648], down
+
+
+def test_a_rounds_dependent_draw_is_drawn_again_the_same_way_everywhere(monkeypatch):
+    """#63: at 1,000 clients a 32-value bias given 32 latents drew dependent directions in round 45 and every
+    client failed: the draw is repeated under a derived name, identically on the server and the clients."""
+    from clients import factors as factor_module
+    from fedapps import channel as fchannel
+
+    settings = fchannel.LatentSettings(latents=8, rank=64, seed=5, scale=1.0, split="sqrt")
+    shapes = {"w": (4, 6), "b": (8,)}
+    latents = fchannel.allocate(shapes, settings)
+    real, names = factor_module.build_factors, []
+
+    def flaky(seed, spec, params, scale, mode):
+        names.append(spec.name)
+        if spec.name == "channel/round-3/b":
+            raise ValueError("dependent directions")
+        return real(seed, spec, params, scale, mode)
+
+    monkeypatch.setattr(factor_module, "build_factors", flaky)
+    first = fchannel.round_factors(settings, shapes, latents, 3)
+    again = fchannel.round_factors(settings, shapes, latents, 3)
+    assert "channel/round-3/b/redraw-1" in names
+    assert all(torch.equal(a, b) for key in first for a, b in zip(first[key], again[key]))
