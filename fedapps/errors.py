@@ -11,8 +11,9 @@ from clients.models.weights import CheckpointError
 from clients.partition import PartitionError
 from clients.smartfed.pool import PoolError
 from clients.tasks.base import TaskError
+from fedapps.channel import ChannelError
 from fedapps.method import ConfigError
 
 # what a node can find wrong with its data, model files or settings
 NODE_ERRORS = (TaskError, PartitionError, AssetMissing, ConversionError, ModelError, CheckpointError, AdapterError,
-               PoolError, ConfigError)
+               PoolError, ConfigError, ChannelError)

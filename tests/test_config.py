@@ -180,7 +180,11 @@ def test_a_refused_run_is_logged_in_one_line_under_flower_and_other_errors_keep_
     handler = logging.StreamHandler(stream)
     logging.getLogger("flwr").addHandler(handler)
     try:
-        for error in (ConfigError("unknown config key 'train.lrr'; did you mean 'train.lr'"), KeyError("bug")):
+        from fedapps.channel import ChannelError
+
+        budget = ChannelError("channel.latents=1280 over 8 federated tensors: a budget of 1280 latents exceeds the 298 "
+                              "parameters of the adapted layers (lower channel.latents or raise channel.rank)")
+        for error in (ConfigError("unknown config key 'train.lrr'; did you mean 'train.lr'"), budget, KeyError("bug")):
             try:
                 raise error
             except Exception as err:
@@ -189,7 +193,10 @@ def test_a_refused_run_is_logged_in_one_line_under_flower_and_other_errors_keep_
         logging.getLogger("flwr").removeHandler(handler)
     lines = stream.getvalue().splitlines()
     assert lines[0] == "ServerApp raised an exception: unknown config key 'train.lrr'; did you mean 'train.lr'"
-    assert lines[1] == "ServerApp raised an exception" and lines[2].startswith("Traceback")
+    # a latent channel's budget the model cannot hold (known once the server builds the model): one line too; it
+    # was a 40-line traceback of Flower's simulation process
+    assert lines[1] == f"ServerApp raised an exception: {budget}"
+    assert lines[2] == "ServerApp raised an exception" and lines[3].startswith("Traceback")
 
 
 def test_app_run_refuses_what_the_server_would_refuse_before_submitting(tmp_path):
