@@ -164,12 +164,14 @@ def report(rows: list[dict], command: str, args, failed: list[str] = ()) -> str:
         lines.append(f"| {r['arm']} | {r['rounds']} | {r['run_seconds']:.0f} | {r['wall']:.2f} | {work} | "
                      f"{r['server_peak_mb']:.0f} | {r['ray_workers_mb']:.0f} | {metric} |")
     lines += [f"- **failed**: {f}" for f in failed]
-    lines += ["", "Downlink payload bytes per message (rounds 1 and on, training and evaluation), min / median / "
-                  "90th / 99th percentile / max:"]
+    downlinks = []
     for r in rows:
         d = {int(k): v for k, v in (r.get("downlink_bytes") or {}).items()}
         if d.get(50) is not None:
-            lines.append(f"- {r['arm']}: " + " / ".join(f"{d[q]:,}" for q in (0, 50, 90, 99, 100)))
+            downlinks.append(f"- {r['arm']}: " + " / ".join(f"{d[q]:,}" for q in (0, 50, 90, 99, 100)))
+    if downlinks:
+        lines += ["", "Downlink payload bytes per message (rounds 1 and on, training and evaluation), min / median / "
+                      "90th / 99th percentile / max:", *downlinks]
     for r in rows:
         if r.get("privacy"):
             marks = [p for p in r["privacy"] if p["round"] in (1, 10, 25, r["rounds"])]
@@ -210,7 +212,11 @@ def main(argv=None) -> int:
     parser.add_argument("--client-cpus", type=float, default=1.0, help="simulation.client_cpus (workers = cores / it)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "thousand")
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "bench-thousand", help="the run folders")
+    parser.add_argument("--render", action="store_true", help="only write OUT/thousand.md again from OUT/thousand.json")
     args = parser.parse_args(argv)
+    if args.render:
+        print(render(args.out))
+        return 0
     if args.quick:
         args.methods, args.flite_rounds = ["flite-int4"], 3
     methods = list(args.methods) + (["llm-fedavg-lora"] if args.llm else [])

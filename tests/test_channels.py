@@ -340,22 +340,30 @@ def test_a_latent_downlink_in_fp32_moves_the_model_exactly_as_the_dense_downlink
                 channel="latent")
 
 
+def half_sampled_latent_run(folder, rounds: int) -> dict:
+    """fedavg-lora on the tiny model through the latent channel both ways, 4 clients, half sampled a round
+    (the same draw every call)."""
+    import random
+
+    from inprocess import run
+
+    random.seed(0)
+    cfg = compose(["num_clients=4", f"rounds={rounds}", "strategy.fraction_train=0.5",
+                   "strategy.fraction_evaluate=0.5", "train.local_steps=2", "channel.rank=128",
+                   "channel.downlink=latent", f"output_dir={folder}"],
+                  preset="test", algorithm="fedavg-lora", channel="latent")
+    return run(cfg)
+
+
 def test_a_latent_downlink_sends_each_client_only_the_rounds_it_missed(tmp_path, monkeypatch):
     """#63: with channel.downlink=latent every message carried the whole history (r × 648 B after r rounds).
     Now a client is sent the rounds after the last one it confirmed (by answering), keeps them in its node's
     state, and replays the same model: 4 clients, half sampled a round, the run's metrics bit-identical to
     the whole-history run's, and each message's downlink at most (rounds it missed + 1) × 648 B."""
-    import random
-
-    from inprocess import run
     from strategies.channel import LatentSync
 
     def one(folder):
-        random.seed(0)
-        cfg = compose(["num_clients=4", "rounds=4", "strategy.fraction_train=0.5", "strategy.fraction_evaluate=0.5",
-                       "train.local_steps=2", "channel.rank=128", "channel.downlink=latent", f"output_dir={folder}"],
-                      preset="test", algorithm="fedavg-lora", channel="latent")
-        return run(cfg)
+        return half_sampled_latent_run(folder, rounds=4)
 
     missed = one(tmp_path / "missed")
     records = [__import__("json").loads(line) for line in
@@ -390,17 +398,11 @@ def test_a_client_that_missed_more_than_a_snapshot_is_sent_the_tensors_and_repla
     are fewer bytes than the rounds it missed, keeps them, and replays later rounds from them: the run's
     metrics are bit-identical to the whole-history run's (snapshots forced here whenever a round was missed)."""
     import json
-    import random
 
-    from inprocess import run
     from strategies.channel import LatentSync
 
     def one(folder):
-        random.seed(0)
-        cfg = compose(["num_clients=4", "rounds=5", "strategy.fraction_train=0.5", "strategy.fraction_evaluate=0.5",
-                       "train.local_steps=2", "channel.rank=128", "channel.downlink=latent", f"output_dir={folder}"],
-                      preset="test", algorithm="fedavg-lora", channel="latent")
-        return run(cfg)
+        return half_sampled_latent_run(folder, rounds=5)
 
     monkeypatch.setattr(LatentSync, "snapshot_below", 1e12)  # a snapshot whenever any round was missed
     snapshots = one(tmp_path / "snapshots")
