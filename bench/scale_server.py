@@ -280,8 +280,8 @@ def config(kind: str, registered: int, sampled: int, rounds: int, output_dir: Pa
 
 
 def fraction(registered: int, sampled: int) -> float:
-    """The fraction of N for which Flower's sampling (``strategies.base.sample_size``) gives ``sampled``."""
-    from strategies.base import sample_size
+    """The fraction of N for which Flower's sampling (``strategies.release.sample_size``) gives ``sampled``."""
+    from strategies.release import sample_size
 
     if not 2 <= sampled <= registered:
         raise ValueError(f"sampled must be 2..{registered} (registered), got {sampled}")
@@ -426,9 +426,9 @@ def run_one(kind: str, registered: int, sampled: int, rounds: int, output_dir: P
                 "refused": len(record["refused"]), "missing": len(record["missing"]),
                 "record_clients": len(record["clients"]), "record_bytes": len(json.dumps(record)),
                 "checkpoint_bytes": checkpoint.stat().st_size,
-                "configured_nodes": len(strategy.configured_nodes),
-                "configured_nodes_bytes": _set_bytes(strategy.configured_nodes),
-                "latent_sync_nodes": len(strategy.latent_sync.synced) + len(strategy.latent_sync.sending),
+                "configured_nodes": len(strategy.downlink.configured),
+                "configured_nodes_bytes": _set_bytes(strategy.downlink.configured),
+                "latent_sync_nodes": len(strategy.downlink.sync.synced) + len(strategy.downlink.sync.sending),
                 "history_rounds": len(strategy.history),
             }
             per_round.append(row)
@@ -579,7 +579,7 @@ def findings(results: dict, superlink: list[dict]) -> list[str]:
         f"{b['phase:configure_train'] * 1e3:.1f} ms) and `configure_evaluate` "
         f"({a['phase:configure_evaluate'] * 1e3:.1f} → {b['phase:configure_evaluate'] * 1e3:.1f} ms).{link} "
         "One list per round (or per phase) would serve all of them; not changed here (strategy and runner code).",
-        f"2. **`configured_nodes`** (`strategies/base.py`, `PayloadFedAvg._messages`): every node ever sent the "
+        f"2. **`configured_nodes`** (`strategies/downlink.py`, `Downlink.configured`): every node ever sent the "
         f"run's config, kept for the run: about {cfg_bytes:.0f} bytes a node (set slot + int), bounded by N "
         f"({b['configured_nodes']['max']:,.0f} nodes after {b['rounds'] // max(1, b['processes'])} rounds at "
         f"{nb:,}; at most ~{cfg_bytes * nb / 2**20:.1f} MiB at {nb:,}). Its effect on a round: with more nodes "

@@ -3,7 +3,7 @@
 Generic checks only: each group's values, cross-group consistency, the channel, robustness, the
 server optimiser, secure aggregation and differential privacy. A method's own settings are checked
 by its record's ``check`` (``fedapps.registry.get(name).check``, in the method's module), and what
-the generic checks need to know of a method is read from its record (``own_combine``,
+the generic checks need to know of a method is read from its record (``strategy``,
 ``own_format``, ``latent_downlink``): nothing here names a method. Imports no torch (a local-data
 task's path check reads ``clients.tasks.local``, which does).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from fedapps.method import ConfigError
-from strategies.base import uplink_of
+from strategies.uplink import uplink_of
 
 
 # keys whose values must be numbers: (dotted key, type, lower bound)
@@ -387,9 +387,9 @@ def _check_privacy(cfg: DictConfig, method) -> None:
 
 
 def _dense_mean_only(cfg: DictConfig, method, what: str, why: str) -> None:
-    """Secure aggregation and differential privacy take dense updates, the mean aggregator, and a strategy
-    that combines them by the hook they wrap (not one of its own: ``Method.own_combine``)."""
-    if method.own_combine:
+    """Secure aggregation and differential privacy take dense updates, the mean aggregator, and a linear
+    combiner (``Method.strategy.linear``: the strategy does not combine by a rule of its own)."""
+    if method.strategy is not None and not method.strategy.linear:
         raise ConfigError(f"{what} cannot carry algorithm '{method.name}': its strategy combines the clients' "
                           f"updates by a rule of its own (it overrides the combine hook), but {what} {why} and "
                           "works on the weighted mean of dense updates of one layout")

@@ -120,4 +120,4 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return plan_lora_server(cfg, FedALA, on_round_end=on_round_end, config_yaml=config_yaml)
 
 
-METHOD = Method("fedala", prepare, train, evaluate, plan_server, restore)  # the global adapter
+METHOD = Method("fedala", prepare, train, evaluate, plan_server, restore, strategy=FedALA)  # the global adapter

@@ -263,4 +263,4 @@ def restore(cfg, run_dir):
 
 
 METHOD = Method("fednl", prepare, train, evaluate, plan_server, restore, check=check, errors=(FedNLSetupError,),
-                export="FedNL's delta-rule memory is part of no Hugging Face architecture")
+                export="FedNL's delta-rule memory is part of no Hugging Face architecture", strategy=FedNL)

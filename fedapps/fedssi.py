@@ -65,4 +65,4 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
                             c=float(ssi.c), lam=float(ssi.lam))
 
 
-METHOD = Method("fedssi", prepare, train, evaluate, plan_server, restore)  # the global adapter
+METHOD = Method("fedssi", prepare, train, evaluate, plan_server, restore, strategy=FedSSI)  # the global adapter

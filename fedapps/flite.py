@@ -226,4 +226,5 @@ def merge(model):
     return merge_and_unload(model)
 
 
-METHOD = Method("flite", prepare, train, evaluate, plan_server, restore, check=check, export=merge)
+METHOD = Method("flite", prepare, train, evaluate, plan_server, restore, check=check, export=merge,
+                strategy=FliteStrategy)

@@ -17,7 +17,7 @@ place (PEFT's ``register_peft_method`` is the model):
 and, where it differs from the defaults, what the wiring needs to know about it (so nothing
 outside its module names it): ``check`` (its settings, at compose time), ``errors`` (its
 user-facing error types), ``export`` (how its final model becomes static weights, or why it
-cannot), ``latent_downlink``, ``own_combine``, ``own_format``; see :class:`Method`.
+cannot), ``latent_downlink``, ``strategy``, ``own_format``; see :class:`Method`.
 
 The model kinds a method runs on are declared in its ``conf/algorithm/<name>.yaml``
 (``models:``) and checked when the config is composed, before any model is imported: a
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from strategies.base import uplink_of
+from strategies.uplink import uplink_of
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,9 @@ class Method:
     # (a PEFT model merges its adapters); a callable model -> merged model; a string: why it cannot be
     export: Callable[[object], object] | str | None = None
     latent_downlink: bool = False  # its clients replay a latent downlink (channel.downlink=latent)
-    # its strategy overrides the combine hook (combines the updates by a rule of its own): differential
-    # privacy and secure aggregation, which work on the weighted mean of dense updates, are refused
-    own_combine: bool = False
+    # the strategy class plan_server builds (a PayloadFedAvg): its ``linear`` flag says whether differential
+    # privacy and secure aggregation, which release a mean of updates, can carry it (checked at compose time)
+    strategy: type | None = None
     own_format: str | None = None  # a compressed update format that is its own wire format (topk-ef: topk)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from strategies import codec
-from strategies.base import sample_size, uplink_of
+from strategies.release import sample_size
+from strategies.uplink import uplink_of
 from strategies.privacy import Privacy, add_noise, clip_update
 
 if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's privacy from settings_of)
@@ -34,7 +35,7 @@ def sample_rate(cfg) -> float:
     """The accountant's sampling rate q. With privacy on and ``fraction_train`` below 1, rounds sample
     Poisson at q = ``fraction_train`` (``Privacy.sample``: each node on its own, as dp-accounting's
     PoissonSampledDpEvent assumes); otherwise the fraction a round trains as Flower samples it,
-    ``strategies.base.sample_size`` (``max(⌊N·fraction_train⌋, min_clients or 2)``) / N."""
+    ``strategies.release.sample_size`` (``max(⌊N·fraction_train⌋, min_clients or 2)``) / N."""
     fraction = float(cfg.strategy.fraction_train)
     block = cfg.get("privacy")
     if block and block.get("mode") not in (None, "off", False) and fraction < 1.0:

@@ -343,9 +343,9 @@ def _run_rounds(grid: Grid, cfg, plan, out, checkpoint) -> dict:
     extra = plan.save_final(strategy.global_state, out.path) or {}
     extra["missing_replies"] = sum(len(r.get("missing", [])) for r in strategy.history)
     if getattr(strategy, "privacy", None) is not None:  # ε spent by the whole run (dp-accounting)
-        extra["privacy"] = strategy.privacy.record(strategy.privacy_released, strategy.sampled_rate)
+        extra["privacy"] = strategy.release.record()
         log(INFO, "differential privacy (%s): ε = %.3g at δ = %g after %d noised rounds (noise multiplier %.3g)",
-            strategy.privacy.mode, extra["privacy"]["epsilon"], strategy.privacy.delta, strategy.privacy_released,
+            strategy.privacy.mode, extra["privacy"]["epsilon"], strategy.privacy.delta, strategy.release.released,
             strategy.privacy.noise_multiplier)
     if checkpoint is not None:
         extra["resumed_after_round"] = checkpoint.round

@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from omegaconf import OmegaConf
 
-from strategies.base import uplink_of
+from strategies.uplink import uplink_of
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
 from strategies.secure_round import (DELIVER, KEYS, OPEN, RECORD, SHARES, UNMASK, SecureSettings, client_deliver,

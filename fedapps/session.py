@@ -34,7 +34,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from omegaconf import OmegaConf
 
-from strategies.base import uplink_of
+from strategies.uplink import uplink_of
 from fedapps.resolved import from_yaml
 from strategies.base import CONFIG_RECORD
 

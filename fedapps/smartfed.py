@@ -383,7 +383,7 @@ def restore(cfg, run_dir):
 
 
 METHOD = Method("smartfed", prepare, train, evaluate, plan_server, restore, check=check, ready=ready,
-                errors=(SmartFedError, PoolError), own_combine=True,
+                errors=(SmartFedError, PoolError), strategy=SmartFedStrategy,
                 export="SmartFed routes every token to its own rank-1 experts, which no static weights reproduce")
 
 __all__ = [

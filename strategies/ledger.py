@@ -27,6 +27,8 @@ from logging import INFO, WARNING
 import numpy as np
 from flwr.common.logger import log
 
+from strategies import codec, packing
+
 RoundRecord = dict
 
 
@@ -99,6 +101,19 @@ class RoundLedger:
         """Add to a node's byte count ``key`` (a secure round's stages add up)."""
         client = self.client(node_id)
         client[key] = client.get(key, 0) + int(nbytes)
+
+    def uploaded(self, node_id: int, record, msg, metrics: Mapping | None) -> None:
+        """An accepted training reply's bytes (payload, Flower's count, the wire) and, unless the run is private
+        (``metrics=None``: only the aggregate of what clients report is kept), its metrics."""
+        client = self.client(node_id)
+        client["uplink_payload_bytes"] = codec.payload_bytes(record)
+        client["uplink_message_bytes"] = codec.message_bytes(msg.content)
+        try:  # a measurement: whatever a reply holds, it must not stop the round
+            client["uplink_wire_bytes"] = packing.wire_bytes(msg)
+        except Exception:  # noqa: BLE001
+            pass
+        if metrics is not None:
+            self.store_metrics(node_id, "train", metrics)
 
     def store_metrics(self, node_id: int, phase: str, metrics: Mapping) -> None:
         """A reply's metrics in its node's record as ``<phase>_<name>``, never over a field the server

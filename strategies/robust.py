@@ -197,6 +197,22 @@ def recenter(update: Mapping[str, np.ndarray], center: Mapping[str, np.ndarray],
     return {k: center[k] + factor * (np.asarray(v, np.float64) - center[k]) for k, v in update.items()}
 
 
+def weighted_mean(states: list[Mapping[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+    """Example-weighted mean of tensors with the same keys (float64 accumulation, float32 result)."""
+    if not states:
+        raise ValueError("weighted_mean needs at least one state")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weights must sum to a positive number")
+    out = {}
+    for key in states[0]:
+        acc = np.zeros(states[0][key].shape, dtype=np.float64)
+        for state, weight in zip(states, weights):
+            acc += float(weight) * state[key].astype(np.float64)
+        out[key] = (acc / total).astype(np.float32)
+    return out
+
+
 def aggregate(updates: list[dict[str, np.ndarray]], weights: Sequence[float], settings: Robustness) -> dict[str, np.ndarray]:
     """Combine clients' dense updates (same keys and shapes) with a robust rule (not ``mean``:
     the caller keeps its own exact mean). Returns float64 tensors."""

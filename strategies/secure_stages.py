@@ -8,7 +8,9 @@ holder complained about a share: each complaint is settled there and the convict
 (:mod:`strategies.screening`); a node whose key, share or reveal is bad is dropped from the
 round and refused by name; a provable cheat is excluded from the run (``strategy.ban``).
 :meth:`SecureStages.finish` hands the revealed sum of the uploaders' masked updates to the
-strategy's one aggregation tail (``strategy.mean_of_sum``, then ``strategy.release``), which commits it as any round's.
+strategy's release stage (``strategy.release.of_sum``) and its one tail (``strategy.conclude``), which commits it as any
+round's; before that, the mean's values are checked against ``robust.max_abs`` and the method's own bounds (a round whose
+mean proposes values beyond them is refused: a mean of honest proposals stays inside, up to one quantisation step).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class SecureStages:
                 continue
             self.round.upload(reply.node, residues)
             self.metrics.append({NUM_EXAMPLES: reply.metrics[NUM_EXAMPLES]})  # nothing else of it is kept
-            strategy.account_upload(reply, record)
+            strategy.ledger.uploaded(reply.node, record, reply.msg, None)
         try:
             out = self.round.unmask_messages()
         except SecAggError as err:
@@ -161,9 +163,17 @@ class SecureStages:
                 "into the range", server_round, secure.outside, count)
         # clients always mask their update (what they trained minus what they received), whatever
         # the method's uplink: updates are small, so a narrow clip range resolves them
-        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused in release
-            update = self.strategy.mean_of_sum(server_round, sums, count)
-        return self.strategy.release(server_round, update, self.metrics, [1] * count)
+        strategy = self.strategy
+        try:  # the value bounds hold for a mean of honest proposals (convex), up to one quantisation step
+            strategy.check_values(strategy.with_update({k: v / count for k, v in sums.items()}),
+                                  slack=secure.fixed.step)
+        except PayloadError as err:
+            strategy.ledger.refuse(None, f"secure aggregation: the mean of {count} masked updates {err}: a client "
+                                         "masked values beyond the bounds; the round is refused", kind="round")
+            return None, None
+        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite aggregate is refused in conclude
+            update = strategy.release.of_sum(strategy, server_round, sums, count)
+        return strategy.conclude(server_round, update, self.metrics, [1] * count)
 
     # ------------------------------------------------------------------ helpers
     def _take(self, phase: str, take, replies: Iterable[Message]) -> tuple[bool, object]:

@@ -51,6 +51,7 @@ from strategies.channel import LATENT_KEY, LatentChannel
 from strategies.codec import PayloadError
 from strategies.eeqa import EEQA, Allocation, select_active
 from strategies.expert_state import ExpertState, aggregate
+from strategies.step import Combined, Step
 
 BACKBONE_KEY = "backbone-fingerprint"  # ConfigRecord key: the pool's backbone fingerprint
 LAYOUT_KEY = "layout-fingerprint"  # ConfigRecord key: the server's expert layout (for logs)
@@ -127,7 +128,6 @@ class SmartFedStrategy(PayloadFedAvg):
         self.allocations: list[dict] = [self._describe(self.allocation, 0)]
         self._round_allocation: Allocation | None = None
         self._importance: dict[str, np.ndarray] | None = None
-        self._pending = None
         if latent is not None and self.uplink_format not in codec.FORMATS:
             raise ValueError("the latent channel sends fp32 or int4 latents")
         self.latent = latent  # the latent channel: shapes -> LatentChannel over the round's active experts
@@ -170,7 +170,7 @@ class SmartFedStrategy(PayloadFedAvg):
     @allocation.setter
     def allocation(self, value: Allocation) -> None:
         self._allocation = value
-        self._downlink = None  # a new allocation sends other experts
+        self.downlink.changed()  # a new allocation sends other experts
 
     def encode_downlink(self) -> ArrayRecord:
         """The active experts' values (router rows, A rows, B columns) of the current allocation."""
@@ -284,6 +284,9 @@ class SmartFedStrategy(PayloadFedAvg):
     # centered clipping (robust.center): a coordinate-wise median over clients' different expert rows is
     # no client's update
     dense_updates = False
+    # importance-normalised sparse FedAvg over each client's active experts: not a mean of dense updates that
+    # differential privacy or secure aggregation could release (both are refused)
+    linear = False
 
     def update_norm(self, payload: Mapping[str, sparse.MatrixPayload]) -> float:
         return robust.norm({f"{m}/{n}": getattr(p, n) for m, p in payload.items() for n in sparse.VALUE_FIELDS
@@ -303,8 +306,8 @@ class SmartFedStrategy(PayloadFedAvg):
 
     def combine(self, payloads: list[Mapping[str, sparse.MatrixPayload]], weights: list[int]):
         """Sparse example-weighted FedAvg of the deltas, importance normalised per client: the update that
-        moves the global tensors to the new expert state, which :meth:`commit` keeps (with the round's
-        importance, for EEQA) once the result is known to be finite."""
+        moves the global tensors to the new expert state, handed to :meth:`commit` (``Combined.kept``, with the
+        round's importance, for EEQA) and kept once the result is known to be finite."""
         payloads = normalise_importance(payloads)
         new_state, importance = aggregate(self.state, [(p, float(w)) for p, w in zip(payloads, weights)])
         updated = 0
@@ -314,17 +317,15 @@ class SmartFedStrategy(PayloadFedAvg):
                 if m in payload and payload[m].ids.size:
                     touched[payload[m].ids] = True
             updated += int(touched.sum())
-        self._pending = (new_state, importance, updated)
-        return {k: v.astype(np.float64) - self.global_state[k] for k, v in new_state.to_tensors().items()}
+        return Combined({k: v.astype(np.float64) - self.global_state[k] for k, v in new_state.to_tensors().items()},
+                        kept=(new_state, importance, updated))
 
-    def commit(self, values: dict[str, np.ndarray]) -> None:
-        super().commit(values)
-        self.state, self._importance, self.ledger.current["experts_updated"] = self._pending
-        self._pending = None
+    def commit(self, step: Step) -> None:
+        super().commit(step)
+        self.state, self._importance, self.ledger.current["experts_updated"] = step.kept
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         self._importance = None
-        self._pending = None
         result = super().aggregate_train(server_round, replies)
         if result[0] is None:  # nothing accepted (or the round refused): the allocation stands
             self.ledger.current["smartfed"] = {"for_round": server_round + 1, "reallocated": False,

@@ -84,7 +84,7 @@ def test_the_latent_mean_expands_to_the_mean_update_and_clients_and_server_agree
 
     strategy = latent_strategy(robustness=Robustness.off())  # robust=off: the exact weighted mean (10, 20, 30 examples)
     channel = strategy.channel
-    assert channel.layout() == {LATENT_KEY: (K,)} and strategy.uplink_budget == 4 * K
+    assert channel.layout() == {LATENT_KEY: (K,)} and strategy.spec.budget == 4 * K
     rng = np.random.default_rng(0)
     zs = {v: rng.normal(0, 0.1, K).astype(np.float32) for v in (1, 2, 3)}
     strategy.aggregate_train(1, [reply(v, z, examples=10 * v) for v, z in zs.items()])

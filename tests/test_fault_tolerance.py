@@ -105,7 +105,7 @@ def test_missing_nodes_are_recorded_and_get_the_config_again(caplog):
     strategy.aggregate_evaluate(1, [])
     assert records[0]["missing"] == [{"node_id": 3, "phase": "evaluate", "reason": "no reply"}]
     assert "no evaluate reply from node 3" in caplog.text
-    assert strategy.configured_nodes == {1, 2}
+    assert strategy.downlink.configured == {1, 2}
 
 
 def test_strategy_state_round_trips_and_refuses_another_layout():
@@ -114,10 +114,10 @@ def test_strategy_state_round_trips_and_refuses_another_layout():
     strategy.history.append({"round": 0, "eval": {}, "clients": [], "refused": [], "missing": []})
     arrays, meta = strategy.state_dict()
     fresh = PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=2)
-    fresh.configured_nodes.add(5)
+    fresh.downlink.configured.add(5)
     fresh.load_state_dict(arrays, json.loads(json.dumps(meta)))
     assert np.array_equal(fresh.global_state["a"], strategy.global_state["a"]) and fresh.history == strategy.history
-    assert fresh.configured_nodes == set()
+    assert fresh.downlink.configured == set()
     with pytest.raises(ValueError, match="shape"):
         fresh.load_state_dict({"a": np.ones((3, 3)), "b": np.zeros(4)}, meta)
     with pytest.raises(ValueError, match="missing"):

@@ -167,8 +167,9 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
     cfg = compose(["train.local_steps=2", "algorithm.server_lr=0.5"], conf_path=[conf], algorithm="signlora",
                   preset="test")
     assert cfg.algorithm.name == "signlora" and cfg.algorithm.trainable == "lora"  # fedavg-lora's, by its defaults
-    with pytest.raises(ConfigError, match="privacy cannot carry algorithm 'signlora': its strategy combines"):
-        compose(["privacy.mode=central"], conf_path=[conf], algorithm="signlora", preset="test")  # own_combine
+    # its combine is linear (after_mean): differential privacy can carry it, and scales the private mean
+    private = compose(["privacy.mode=central"], conf_path=[conf], algorithm="signlora", preset="test")
+    assert method.plan_server(private, on_round_end=None, config_yaml=to_yaml(private)).strategy.linear
 
     plan = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg))
     strategy = plan.strategy
@@ -206,14 +207,13 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
 
 
 @pytest.mark.parametrize("name", sorted(registry.METHODS))
-def test_a_methods_own_combine_flag_agrees_with_its_strategy(name, tmp_path):
-    """#61: DP and secure aggregation are refused for a method that combines replies its own way by two checks
-    that could disagree: the config check reads Method.own_combine, the strategy checks whether its class
-    overrides combine. For every registered method they must say the same."""
+def test_a_methods_record_names_the_strategy_it_builds(name, tmp_path):
+    """#61: DP and secure aggregation are refused for a method that combines replies its own way by one rule:
+    its strategy class is non-linear (it overrides combine). The config check reads Method.strategy's flag,
+    the strategy its own: every registered method's record must name the class its plan_server builds."""
     from inprocess import pool_overrides
-    from strategies.base import PayloadFedAvg
 
     cfg = compose(pool_overrides(name, tmp_path), algorithm=name, preset="test")
     method = registry.get(name)
     strategy = method.plan_server(cfg, on_round_end=None, config_yaml=to_yaml(cfg)).strategy
-    assert (type(strategy).combine is not PayloadFedAvg.combine) == method.own_combine
+    assert method.strategy is not None and type(strategy) is method.strategy

@@ -15,7 +15,7 @@ from fedapps.outputs import read_metrics  # noqa: E402
 
 @pytest.mark.parametrize("registered,sampled", [(1000, 100), (10000, 100), (50, 10), (500, 10), (7, 3)])
 def test_the_fraction_samples_exactly_the_clients_asked_for(registered, sampled):
-    from strategies.base import sample_size
+    from strategies.release import sample_size
 
     assert sample_size(registered, scale_server.fraction(registered, sampled)) == sampled
 

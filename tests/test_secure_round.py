@@ -146,3 +146,33 @@ def test_a_malformed_stage_reply_drops_its_node_and_a_node_refuses_weaker_settin
     shares[0].content[RECORD]["threshold"] = 1
     with pytest.raises(SecAggError, match="the server asks for threshold 1"):
         client_shares(1, shares[0], states[1], strat.secure)
+
+
+class _Bounded:
+    """A method's own bound on tensor 'b' (as FedNL bounds its memory), which a plain round checks per reply."""
+
+    @staticmethod
+    def make():
+        from strategies.base import PayloadFedAvg
+
+        class Bounded(PayloadFedAvg):
+            def value_bounds(self, key):
+                return 0.1 if key == "b" else None
+
+        return Bounded(initial_state=STATE, config_yaml="", num_clients=3, secure=SETTINGS, uplink="delta")
+
+
+def test_a_secure_mean_beyond_the_methods_bound_is_refused_and_an_honest_one_passes():
+    """#61: under secure aggregation no single update can be checked, but the unmasked mean can: honest
+    proposals inside a bound average inside it (up to one quantisation step); one client masking values
+    beyond it moves the mean out, and the round is refused, the state unchanged (before: committed)."""
+    honest = {v: {"a": np.zeros((3, 4)), "b": np.full(5, 0.05)} for v in (3, 9, 14)}
+    strat = _Bounded.make()
+    new = drive(strat, honest)
+    np.testing.assert_allclose(new["b"], 0.05, atol=1e-4)
+    hostile = {**honest, 14: {"a": np.zeros((3, 4)), "b": np.full(5, 0.5)}}
+    strat = _Bounded.make()
+    new = drive(strat, hostile)
+    np.testing.assert_array_equal(new["b"], STATE["b"])
+    refused = strat.round_record()["refused"]
+    assert [r["kind"] for r in refused] == ["round"] and "beyond ±0.1" in refused[0]["reason"]

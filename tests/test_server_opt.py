@@ -81,10 +81,10 @@ def test_the_strategy_steps_once_per_committed_round_and_a_refused_round_keeps_t
     # first step: lr·Δ/(|Δ| + τ) with Δ = 1.0 everywhere
     for key in STATE:
         assert codec.decode(arrays)[key] == pytest.approx(STATE[key] + 0.01 / (1 + 1e-3))
-    assert strategy.opt_state.t == 1
+    assert strategy.model_step.moments.t == 1
     # a round whose only reply is refused: no step, the moments unchanged
     arrays, _ = strategy.aggregate_train(2, [reply(1, payload(9.0, **{"layer.extra": np.ones(2, np.float32)}))])
-    assert arrays is None and strategy.opt_state.t == 1
+    assert arrays is None and strategy.model_step.moments.t == 1
 
 
 def test_a_round_refused_after_the_step_does_not_keep_its_moments():
@@ -95,11 +95,11 @@ def test_a_round_refused_after_the_step_does_not_keep_its_moments():
     strategy, _ = make_strategy(uplink="delta", robustness=Robustness.off(),
                                 server_optimizer=ServerOptimizer(name="fedavgm", lr=10.0))
     strategy.aggregate_train(1, [reply(1, payload(0.5), 10)])
-    before = {k: v.copy() for k, v in strategy.opt_state.m.items()}
+    before = {k: v.copy() for k, v in strategy.model_step.moments.m.items()}
     state = {k: v.copy() for k, v in strategy.global_state.items()}
     arrays, _ = strategy.aggregate_train(2, [reply(1, payload(3e38), 10)])
     assert arrays is None and "not finite" in strategy.round_record()["refused"][0]["reason"]
-    assert strategy.opt_state.t == 1 and all(np.array_equal(strategy.opt_state.m[k], before[k]) for k in before)
+    assert strategy.model_step.moments.t == 1 and all(np.array_equal(strategy.model_step.moments.m[k], before[k]) for k in before)
     assert all(np.array_equal(strategy.global_state[k], state[k]) for k in state)
 
 

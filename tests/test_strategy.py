@@ -5,7 +5,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from strategies import codec
-from strategies.base import CONFIG_RECORD, PayloadFedAvg, weighted_mean
+from strategies.base import CONFIG_RECORD, PayloadFedAvg
+from strategies.robust import weighted_mean
 from strategies.baselines import FedProx, FFALoRA
 
 STATE = {"layer.lora_A": np.ones((4, 8), np.float32), "layer.lora_B": np.zeros((8, 4), np.float32)}
@@ -213,11 +214,50 @@ def test_a_strategy_with_its_own_combine_is_refused_under_privacy_or_secure_aggr
 
     dp = Privacy.from_config({"mode": "central", "clip": 0.5, "delta": 1e-5, "noise_multiplier": 1.0},
                              rounds=2, sample_rate=1.0)
-    with pytest.raises(ValueError, match="_Doubling combines replies its own way; differential privacy"):
+    assert not _Doubling.linear and PayloadFedAvg.linear  # overriding combine makes a class non-linear
+    with pytest.raises(ValueError, match=r"_Doubling combines replies its own way \(it overrides combine\); "
+                                         "differential privacy"):
         make_strategy(_Doubling, uplink="delta", privacy=dp)
-    with pytest.raises(ValueError, match="_Doubling combines replies its own way; secure aggregation"):
+    with pytest.raises(ValueError, match=r"_Doubling combines replies its own way \(it overrides combine\); "
+                                         "secure aggregation"):
         make_strategy(_Doubling, uplink="delta", secure=SecureSettings(bits=16, clip=0.5))
     make_strategy(PayloadFedAvg, uplink="delta", privacy=dp)  # the plain mean is what both release
+    make_strategy(_DoublingMean, uplink="delta", privacy=dp)  # a linear combiner: after_mean
+    assert _DeclaredLinear.linear  # a combine override may declare itself linear
+
+
+class _DoublingMean(PayloadFedAvg):
+    """The same rule as _Doubling, as a linear combiner: twice the mean update, on every path."""
+
+    def after_mean(self, update):
+        return {k: 2.0 * v for k, v in update.items()}
+
+
+class _DeclaredLinear(PayloadFedAvg):
+    linear = True
+
+    def combine(self, payloads, weights):
+        return super().combine(payloads, weights)
+
+
+def test_a_linear_combiner_runs_on_every_path_plain_and_secure():
+    """#61: after_mean is applied to the plain mean and to a secure round's revealed mean alike (the same
+    doubled step from the same updates), where an overridden combine was refused under secure aggregation."""
+    from strategies.secure_round import SecureSettings, local_round
+
+    from strategies.robust import Robustness
+
+    updates = {v: {k: np.full(s.shape, 0.01 * v, np.float32) for k, s in STATE.items()} for v in (3, 5, 8)}
+    expected = {k: STATE[k] + 2 * np.mean([u[k] for u in updates.values()], axis=0) for k in STATE}
+    plain, _ = make_strategy(_DoublingMean, uplink="delta", robustness=Robustness.off())
+    plain.aggregate_train(1, [reply(v, codec.encode(u, "fp32"), num_examples=1) for v, u in updates.items()])
+    for key, value in expected.items():
+        np.testing.assert_allclose(plain.global_state[key], value, atol=1e-6)
+    secure, _ = make_strategy(_DoublingMean, uplink="delta", secure=SecureSettings(bits=20, clip=0.5))
+    local_round(secure, updates)
+    expected = {k: STATE[k] + 2 * np.mean([u[k] for u in updates.values()], axis=0) for k in STATE}
+    for key, value in expected.items():
+        np.testing.assert_allclose(secure.global_state[key], value, atol=2e-6)  # 20-bit quantisation
 
 
 @pytest.mark.parametrize("name", [s.name for s in __import__("hostile").SPECS])
