@@ -80,7 +80,8 @@ def parse_args(argv=None):
 
 
 def one(args, eta: float, seed: int) -> dict:
-    from fedapps.outputs import ala_weights_by_round
+    from fedapps.fedala import ala_weights_by_round
+    from fedapps.outputs import read_metrics
 
     runs_dir = (args.runs_dir or ROOT / "outputs" / "bench-fedala-eta").expanduser().resolve()
     items = [f"model={args.model}", f"task={args.task}", f"rounds={args.rounds}", f"num_clients={args.clients}",
@@ -92,7 +93,7 @@ def one(args, eta: float, seed: int) -> dict:
         raise SystemExit(f"the run at η={eta:g}, seed {seed} did not complete ({summary.get('status')}): "
                          f"{summary.get('run_dir')}")
     return {"eta": eta, "seed": seed, "metric": summary["metric"], "initial_metric": summary["initial_metric"],
-            "final_metric": summary["final_metric"], "weights": ala_weights_by_round(summary["run_dir"]),
+            "final_metric": summary["final_metric"], "weights": ala_weights_by_round(read_metrics(summary["run_dir"])),
             "run_dir": summary["run_dir"]}
 
 

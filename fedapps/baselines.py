@@ -251,4 +251,5 @@ def restore(cfg, run_dir):
 LATENT_DOWNLINK = ("fedavg-lora", "fedprox", "ffa-lora", "fedavg-full")  # their clients replay latents (load_global)
 OWN_FORMAT = {"topk-ef": "topk", "powersgd": "powersgd"}  # a compressed update format that defines the method
 METHODS = tuple(Method(name, prepare, train, evaluate, plan_server, restore, latent_downlink=name in LATENT_DOWNLINK,
-                       own_format=OWN_FORMAT.get(name), check=check, strategy=cls) for name, cls in STRATEGIES.items())
+                       own_format=OWN_FORMAT.get(name), check=check, strategy=cls, reference=name == "fedavg-lora")
+                for name, cls in STRATEGIES.items())

@@ -120,4 +120,23 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
     return plan_lora_server(cfg, FedALA, on_round_end=on_round_end, config_yaml=config_yaml)
 
 
+# ---------------------------------------------------------------------------- reading a run
+def ala_weights_by_round(records: list[dict]) -> list[dict]:
+    """The clients' ALA weights after each round's ALA, from a run's round records (``fedapps.outputs.read_metrics``:
+    the ``ala-weight-*``
+    metrics of :func:`absorb_global`): min of the minima, mean of the means, max of the maxima (rounds
+    where no client ran ALA are left out). Read by the benchmarks that report whether the weights move."""
+    import statistics
+
+    rows = []
+    for record in records:
+        clients = [c for c in record["clients"] if "eval_ala-weight-mean" in c]
+        if clients:
+            rows.append({"round": record["round"],
+                         "min": min(c.get("eval_ala-weight-min", c["eval_ala-weight-mean"]) for c in clients),
+                         "mean": statistics.fmean(c["eval_ala-weight-mean"] for c in clients),
+                         "max": max(c.get("eval_ala-weight-max", c["eval_ala-weight-mean"]) for c in clients)})
+    return rows
+
+
 METHOD = Method("fedala", prepare, train, evaluate, plan_server, restore, strategy=FedALA)  # the global adapter

@@ -122,6 +122,7 @@ class Method:
     # privacy and secure aggregation, which release a mean of updates, can carry it (checked at compose time)
     strategy: type | None = None
     own_format: str | None = None  # a compressed update format that is its own wire format (topk-ef: topk)
+    reference: bool = False  # the byte reference of `postcard compare` (uplink_vs_fedavg_lora): the plain LoRA baseline
 
 
 class FinalStateError(RuntimeError):

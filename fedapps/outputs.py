@@ -360,7 +360,10 @@ def comparison_rows(summaries: list[dict]) -> list[dict]:
     for s in summaries:
         leaves = _leaves(s.get("config"))
         rows.append({**{k: s.get(k) for k in COLUMNS}, **{k: leaves.get(k) for k in swept}})
-    base = next((r["uplink_bytes_per_client_round"] for r in rows if r["algorithm"] == "fedavg-lora"), None)
+    from fedapps.registry import METHODS
+
+    reference = {name for name, method in METHODS.items() if method.reference}  # the plain LoRA baseline
+    base = next((r["uplink_bytes_per_client_round"] for r in rows if r["algorithm"] in reference), None)
     for row in rows:
         up = row["uplink_bytes_per_client_round"]
         # six significant digits, not decimals: 648 / 9,768,960 kept as 6.63331e-05, so its inverse reads 15,076
@@ -410,23 +413,6 @@ def mean_train_loss(record: dict) -> float:
     if not losses:
         raise ValueError(f"round {record.get('round')} has no training loss (round 0, or every reply refused)")
     return sum(losses) / len(losses)
-
-
-def ala_weights_by_round(run_dir) -> list[dict]:
-    """The clients' ALA weights after each round's ALA, from a run folder's metrics (the ``ala-weight-*``
-    metrics of ``fedapps.fedala.absorb_global``): min of the minima, mean of the means, max of the maxima (rounds
-    where no client ran ALA are left out). Read by the benchmarks that report whether the weights move."""
-    import statistics
-
-    rows = []
-    for record in read_metrics(run_dir):
-        clients = [c for c in record["clients"] if "eval_ala-weight-mean" in c]
-        if clients:
-            rows.append({"round": record["round"],
-                         "min": min(c.get("eval_ala-weight-min", c["eval_ala-weight-mean"]) for c in clients),
-                         "mean": statistics.fmean(c["eval_ala-weight-mean"] for c in clients),
-                         "max": max(c.get("eval_ala-weight-max", c["eval_ala-weight-mean"]) for c in clients)})
-    return rows
 
 
 def bytes_curve(history: list[dict], metric: str) -> list[tuple[int, float, float]]:

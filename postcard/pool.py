@@ -35,7 +35,6 @@ from omegaconf import OmegaConf
 from clients.smartfed.pool import backbone_descriptor, default_pool_dir
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "conf" / "pool"
-LORA_ALGORITHMS = ("fedavg-lora", "fedprox", "ffa-lora")
 
 
 class PoolCommandError(RuntimeError):
@@ -135,7 +134,7 @@ def compose_source(spec: dict, name: str, overrides: list[str]):
     items = [*spec.get("overrides", []), *source.get("overrides", []), *overrides]
     if not any(item.startswith("run_name=") for item in overrides):
         items.append(f"run_name=pool-{name}")
-    cfg = compose(items, algorithm=str(spec.get("algorithm", "fedavg-lora")), task=str(source["task"]))
+    cfg = compose(items, algorithm=spec.get("algorithm"), task=str(source["task"]))  # none: the config's default
     if cfg.algorithm.get("trainable") != "lora":
         raise PoolCommandError(f"pool source '{name}': algorithm '{cfg.algorithm.name}' trains no LoRA adapter")
     return cfg
@@ -245,8 +244,8 @@ def add(run_dir: str | Path, pool: str | Path | None = None, name: str | None = 
     cfg = from_yaml((run_dir / "config.yaml").read_text())
     if not (run_dir / "adapter").is_dir():
         raise PoolCommandError(
-            f"{run_dir} has no adapter/ folder: only LoRA runs ({', '.join(LORA_ALGORITHMS)}) save one, "
-            f"and this run is {cfg.algorithm.name}"
+            f"{run_dir} has no adapter/ folder: only runs of a method that trains and saves a LoRA adapter "
+            f"(a PEFT folder, adapter/) can join a pool, and this run is {cfg.algorithm.name}"
         )
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None

@@ -96,6 +96,11 @@ class Spec:
     wire: str  # the uplink format: fp32 | int4 | topk | powersgd | sparse
     fraction: float | None = None
     rank: int | None = None
+    method: str = ""  # the registered method it stands for (default: its name)
+
+    @property
+    def algorithm(self) -> str:
+        return self.method or self.name
 
     @property
     def sparse(self) -> bool:
@@ -110,7 +115,7 @@ SPECS = [
     Spec("fedssi", lambda **kw: FedSSI(c=0.1, lam=0.5, initial_state=_state(LORA), **_common(**kw)), "fp32"),
     Spec("fedavg-full", lambda **kw: FedAvgFull(initial_state=_state(FULL), uplink="delta", **_common(**kw)), "fp32"),
     Spec("fedavg-full-int4", lambda **kw: FedAvgFull(initial_state=_state(FULL), uplink="delta", uplink_format="int4",
-                                                     **_common(**kw)), "int4"),
+                                                     **_common(**kw)), "int4", method="fedavg-full"),
     Spec("topk-ef", lambda **kw: FedAvgFull(initial_state=_state(FULL), uplink="delta", uplink_format="topk",
                                             topk_fraction=0.25, **_common(**kw)), "topk", fraction=0.25),
     Spec("powersgd", lambda **kw: FedAvgFull(initial_state=_state(FULL), uplink="delta", uplink_format="powersgd",
@@ -120,13 +125,34 @@ SPECS = [
     # FLITE with an adaptive server optimiser: the moments are the state a hostile reply could steer
     Spec("flite-fedadam", lambda **kw: FliteStrategy(
         fingerprint="abcd" * 4, initial_state={"z": np.zeros(1280, np.float32)}, uplink_format="int4",
-        downlink_format="fp32", server_optimizer=ServerOptimizer(name="fedadam", lr=0.01), **_common(**kw)), "int4"),
+        downlink_format="fp32", server_optimizer=ServerOptimizer(name="fedadam", lr=0.01), **_common(**kw)), "int4",
+        method="flite"),
     Spec("fednl-meta-rules", lambda **kw: FedNL(mode="meta-rules", initial_state=_state({**FEDNL_LORA, **FEDNL_MEMORY}),
-                                                **_common(**kw)), "fp32"),
-    Spec("fednl-gate", lambda **kw: FedNL(mode="gate", initial_state=_state(FEDNL_MEMORY), **_common(**kw)), "fp32"),
+                                                **_common(**kw)), "fp32", method="fednl"),
+    Spec("fednl-gate", lambda **kw: FedNL(mode="gate", initial_state=_state(FEDNL_MEMORY), **_common(**kw)), "fp32",
+         method="fednl"),
     Spec("smartfed", lambda **kw: _smartfed("experts+router", **kw), "sparse"),
-    Spec("smartfed-router-only", lambda **kw: _smartfed("router-only", **kw), "sparse"),
+    Spec("smartfed-router-only", lambda **kw: _smartfed("router-only", **kw), "sparse", method="smartfed"),
 ]
+
+
+def _generated(methods) -> list[Spec]:
+    """A spec for every registered method the list above does not cover (one added tomorrow): its strategy
+    class (``Method.strategy``) over the LoRA layout, as the generic constructor builds it, fp32 replies. A
+    strategy that cannot be built so needs a spec of its own above (``tests/test_hostile.py`` says which)."""
+    covered = {s.algorithm for s in SPECS}
+    return [Spec(name, functools.partial(lambda cls, **kw: cls(initial_state=_state(LORA), **_common(**kw)),
+                                         method.strategy), "fp32")
+            for name, method in sorted(methods.items()) if name not in covered]
+
+
+def _registered() -> dict:
+    from fedapps import registry
+
+    return registry.METHODS
+
+
+SPECS += _generated(_registered())
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
 

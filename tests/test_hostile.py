@@ -43,3 +43,22 @@ def test_the_applicability_table():
 def test_a_hostile_reply_is_refused_or_bounded(spec, kind):
     result = run_case(spec, kind)
     assert result.outcome == kind.expected(spec), result
+
+
+def test_every_registered_method_meets_the_catalogue_as_the_class_it_runs():
+    """#61: the catalogue follows the registry: every registered method has a spec (one of its own, or one
+    generated from its record), each spec builds the strategy class the method's record names, and a method
+    added tomorrow gets the generic one (here: a registered stand-in with FedAvgLoRA's class)."""
+    from dataclasses import replace
+
+    from fedapps import registry
+    from hostile import _generated
+
+    assert {s.algorithm for s in SPECS} == set(registry.METHODS)
+    for spec in SPECS:
+        assert type(spec.build()) is registry.get(spec.algorithm).strategy, spec.name
+    tomorrow = replace(registry.get("fedavg-lora"), name="tomorrow")
+    (spec,) = _generated({**registry.METHODS, "tomorrow": tomorrow})
+    assert spec.name == "tomorrow" and type(spec.build()) is tomorrow.strategy
+    built = spec.build()
+    assert [k.name for k in KINDS if k.group in GENERIC and not k.applies(spec, built)] == []

@@ -100,8 +100,8 @@ def test_the_loss_is_on_the_answer_tokens_only_and_evaluation_reports_accuracy_p
 
 @pytest.mark.parametrize("override, match", [
     ("task.fillers=[grass,wikipedia]", "task.fillers must be distinct names"),
-    ("task.test_lengths=[48]", "no longer than FedNL's softmax window"),
-    ("task.min_distance=32", "inside FedNL's softmax window"),
+    ("task.test_lengths=[48]", "no longer than the method's softmax window"),
+    ("task.min_distance=32", "inside the method's softmax window"),
     ("task.depth=[0.7,0.2]", "task.depth must be"),
     ("task.eval_split=train", "task.eval_split must be test or val"),
 ])

@@ -50,9 +50,10 @@ def section_mmlu(args, out: Path, saved=None) -> dict:
             "overrides": overrides,  # the algorithm's own (its mode, caps, --fednl-/--fedala-overrides)
         }
         if name == "fedala":  # did its weights move (with η = 1 they did not: docs/fednl.md)
-            from fedapps.outputs import ala_weights_by_round
+            from fedapps.fedala import ala_weights_by_round
+            from fedapps.outputs import read_metrics
 
-            results[spec]["ala_weights"] = ala_weights_by_round(summary["run_dir"])
+            results[spec]["ala_weights"] = ala_weights_by_round(read_metrics(summary["run_dir"]))
         log(f"MMLU {spec}: average {results[spec]['average']:.3f}, uplink {results[spec]['uplink_bytes']:,.0f} B, "
             f"{results[spec]['seconds']:.0f} s")
         if saved is not None:

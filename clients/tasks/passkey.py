@@ -185,14 +185,15 @@ def task_settings(cfg) -> dict:
     if min_distance < 0:
         raise TaskError(f"task.min_distance must be >= 0, got {min_distance}")
     algorithm = cfg.get("algorithm") or {}
-    window = (algorithm.get("memory") or {}).get("window") if algorithm.get("name") == "fednl" else None
+    # a method whose attention sees only a window (FedNL's algorithm.memory.window): the key must lie beyond it
+    window = (algorithm.get("memory") or {}).get("window")
     if window is not None:
         shortest = min(min(v) for v in lengths.values())
         if shortest <= int(window):
-            raise TaskError(f"task=passkey: a {shortest}-token prompt is no longer than FedNL's softmax window "
+            raise TaskError(f"task=passkey: a {shortest}-token prompt is no longer than the method's softmax window "
                             f"(algorithm.memory.window={window}): nothing lies beyond it; use longer lengths")
         if min_distance <= int(window):
-            raise TaskError(f"task.min_distance={min_distance} lets the key sit inside FedNL's softmax window "
+            raise TaskError(f"task.min_distance={min_distance} lets the key sit inside the method's softmax window "
                             f"(algorithm.memory.window={window}); set task.min_distance above the window")
     return {"fillers": fillers, "held_out": held_out, "lengths": lengths, "counts": counts,
             "depth": tuple(depth), "min_distance": min_distance}
