@@ -5,7 +5,7 @@
     .venv/bin/python bench/secagg.py --scale --scale-max 200   # n = 10..200, 10% dropouts: OUT/scale.md
     .venv/bin/python bench/secagg.py --bound      # ~2 s: one hostile uploader's reach, OUT/bound.md
 
-1. **Protocol** (in one process, no Flower runtime: ``strategies.secure_round.local_round``,
+1. **Protocol** (in one process, no Flower runtime: ``strategies.secure_local.local_round``,
    the same messages and checks as a run). For each N and two payloads — FLITE's 1,280
    latents (int4, so 4-bit masks) and a 100,000-value fp32 update (16-bit fixed point) —
    one secure round: the bytes each client sends and receives per stage (Flower's
@@ -40,7 +40,8 @@ def protocol_row(n: int, values: int, payload: str) -> dict:
     """One secure round of N in-process clients over ``values`` values: bytes and seconds."""
     from strategies import codec
     from strategies.base import PayloadFedAvg
-    from strategies.secure_round import SecureSettings, local_round
+    from strategies.secure_local import local_round
+    from strategies.secure_round import SecureSettings
 
     settings = SecureSettings(bits=4 if payload == "int4" else 16, clip=0.05)
     strategy = PayloadFedAvg(initial_state={"x": np.zeros(values, np.float32)}, config_yaml="", num_clients=n,
@@ -141,7 +142,8 @@ def scale_row(n: int, drop: str, fraction: float = 0.1, values: int = 1280, payl
     per stage, client seconds per client, bytes per client per stage (up and down)."""
     from strategies import codec
     from strategies.base import PayloadFedAvg
-    from strategies.secure_round import SecureSettings, local_round
+    from strategies.secure_local import local_round
+    from strategies.secure_round import SecureSettings
 
     settings = SecureSettings(bits=4 if payload == "int4" else 16, clip=0.05)
     strategy = PayloadFedAvg(initial_state={"x": np.zeros(values, np.float32)}, config_yaml="", num_clients=n,
@@ -226,7 +228,7 @@ def scale_row(n: int, drop: str, fraction: float = 0.1, values: int = 1280, payl
 def scale_report(rows: list[dict], command: str) -> str:
     lines = ["# Secure aggregation at scale: n clients a round, 10% dropping out", "",
              f"Made by `{command}` ({time.strftime('%Y-%m-%d')}, 2 CPU cores, one process: "
-             "`strategies.secure_round.local_round`, real cryptography, no Flower runtime).", "",
+             "`strategies.secure_local.local_round`, real cryptography, no Flower runtime).", "",
              "FLITE's payload: 1,280 latents, int4 (4-bit masks, modulus 2^(4+⌈log2 n⌉)), plain payload "
              f"{rows[0]['plain_payload_bytes']} B; threshold null = a majority. `upload`: 10% of the clients vanish "
              "mid-round (after the shares stage, never upload: the server reconstructs their mask keys and regenerates "

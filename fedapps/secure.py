@@ -18,8 +18,9 @@ from omegaconf import OmegaConf
 from strategies.uplink import uplink_of
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
-from strategies.secure_round import (DELIVER, KEYS, OPEN, RECORD, SHARES, UNMASK, SecureSettings, client_deliver,
-                                     client_keys, client_mask, client_open, client_shares, client_unmask)
+from strategies.secure_client import (client_deliver, client_keys, client_mask, client_open, client_shares,
+                                      client_unmask)
+from strategies.secure_round import DELIVER, KEYS, OPEN, RECORD, SHARES, UNMASK, SecureSettings
 
 if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's settings from settings_of)
     from fedapps.method import ClientCall

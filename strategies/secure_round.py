@@ -34,10 +34,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from strategies import codec, secagg
-from strategies.secagg import ClientSecrets, FixedPoint, SecAggError
+from strategies import codec, secagg, secagg_primitives
+from strategies.secagg import FixedPoint, SecAggError
 
 RECORD = "secagg"  # the ConfigRecord of every secure-aggregation message and reply
 STYPE = "postcard.secagg"
@@ -58,7 +58,7 @@ class SecureSettings:
         return FixedPoint(bits=int(self.bits), clip=float(self.clip), num_clients=int(n))
 
     def threshold_for(self, n: int) -> int:
-        return secagg.check_threshold(self.threshold if self.threshold is not None else secagg.default_threshold(n), n)
+        return secagg.check_threshold(self.threshold if self.threshold is not None else secagg_primitives.default_threshold(n), n)
 
     @classmethod
     def from_config(cls, block, payload: str, auto_clip: float | None = None) -> SecureSettings | None:
@@ -79,24 +79,24 @@ class SecureSettings:
         return settings
 
 
-def _ids(nodes: Iterable[int]) -> str:
+def join_ids(nodes: Iterable[int]) -> str:
     return ",".join(str(int(v)) for v in nodes)
 
 
-def _record(msg: Message) -> ConfigRecord:
+def secagg_record(msg: Message) -> ConfigRecord:
     records = msg.content.config_records
     if RECORD not in records:
         raise SecAggError(f"no ConfigRecord '{RECORD}'")
     return records[RECORD]
 
 
-def _config(values: dict) -> ConfigRecord:
+def to_config(values: dict) -> ConfigRecord:
     """A ConfigRecord of ``values`` without the empty ones (Flower's byte count refuses empty
     strings and lists): an absent key reads as empty."""
     return ConfigRecord({k: v for k, v in values.items() if not (isinstance(v, (str, bytes)) and not v)})
 
 
-def _nodes(record: ConfigRecord, key: str) -> list[int]:
+def node_list(record: ConfigRecord, key: str) -> list[int]:
     """A comma-separated list of node ids (Flower's records refuse empty lists, so lists travel joined)."""
     text = record.get(key, "")
     if not isinstance(text, str) or not all(part.isdigit() for part in text.split(",") if text):
@@ -104,7 +104,7 @@ def _nodes(record: ConfigRecord, key: str) -> list[int]:
     return [int(part) for part in text.split(",")] if text else []
 
 
-def _split(record: ConfigRecord, key: str, size: int) -> list[bytes]:
+def split_fixed(record: ConfigRecord, key: str, size: int) -> list[bytes]:
     """Fixed-size byte strings, concatenated."""
     blob = record.get(key, b"")
     if not isinstance(blob, bytes) or len(blob) % size:
@@ -151,23 +151,23 @@ class SecureRound:
         self.dropped.setdefault(int(node), reason)
 
     def _keys_record(self, nodes: list[int]) -> dict:
-        return {"nodes": _ids(nodes), "c-keys": b"".join(self.public[v][0] for v in nodes),
+        return {"nodes": join_ids(nodes), "c-keys": b"".join(self.public[v][0] for v in nodes),
                 "s-keys": b"".join(self.public[v][1] for v in nodes),
                 "g-keys": b"".join(self.signing[v] for v in nodes)}
 
     def keys_messages(self) -> list[Message]:
-        return [Message(RecordDict({RECORD: _config(self._header())}), dst_node_id=v, message_type=KEYS)
+        return [Message(RecordDict({RECORD: to_config(self._header())}), dst_node_id=v, message_type=KEYS)
                 for v in self.sampled]
 
     def take_keys(self, replies: Mapping[int, Message]) -> list[Message]:
         """Stage 1's replies -> stage 2's messages. SecAggError below the threshold."""
         for node, msg in replies.items():
             try:
-                record = _record(msg)
+                record = secagg_record(msg)
                 keys = (record.get("c-key"), record.get("s-key"))
                 for name, key in zip(("c", "s"), keys):  # a low-order key would break every honest agreement
-                    secagg.check_public_key(key, f"its {name} key")
-                signing = secagg.check_signing_key(record.get("g-key"), "its g key")
+                    secagg_primitives.check_public_key(key, f"its {name} key")
+                signing = secagg_primitives.check_signing_key(record.get("g-key"), "its g key")
                 if keys[1] in {k[1] for k in self.public.values()}:
                     raise SecAggError("it advertises another node's key")
                 self.public[int(node)] = keys
@@ -183,7 +183,7 @@ class SecureRound:
         self.threshold = self.settings.threshold_for(self.n)
         content = {**self._header(), **self._keys_record(nodes), "threshold": self.threshold,
                    "bits": int(self.fixed.bits), "clip": float(self.fixed.clip)}
-        return [Message(RecordDict({RECORD: _config(content)}), dst_node_id=v, message_type=SHARES)
+        return [Message(RecordDict({RECORD: to_config(content)}), dst_node_id=v, message_type=SHARES)
                 for v in nodes]
 
     def take_shares(self, replies: Mapping[int, Message]) -> None:
@@ -191,14 +191,14 @@ class SecureRound:
         advertised = set(self.public)
         for node, msg in replies.items():
             try:
-                record = _record(msg)
+                record = secagg_record(msg)
                 commitment = record.get("commitment")
                 if not isinstance(commitment, bytes) or len(commitment) != 32:
                     raise SecAggError("its commitment must be 32 bytes")
-                to, blobs = _nodes(record, "to"), _split(record, "shares", secagg.SHARE_BLOB)
+                to, blobs = node_list(record, "to"), split_fixed(record, "shares", secagg.SHARE_BLOB)
                 if sorted(to) != sorted(advertised - {node}) or len(blobs) != len(to):
                     raise SecAggError("it must send one share to every other participant")
-                digests = _split(record, "digests", secagg.DIGEST_BYTES)
+                digests = split_fixed(record, "digests", secagg.DIGEST_BYTES)
                 if len(digests) != len(self.dealt_to):
                     raise SecAggError("it must publish the digests of every share it dealt")
                 self.digests[int(node)] = dict(zip(self.dealt_to, digests))
@@ -222,10 +222,10 @@ class SecureRound:
         for node in nodes:
             mail = self.mail.get(node, {})
             senders = [v for v in nodes if v != node and v in mail]
-            content = {**self._header(), **self._keys_record(nodes), "from": _ids(senders),
+            content = {**self._header(), **self._keys_record(nodes), "from": join_ids(senders),
                        "shares": b"".join(mail[v] for v in senders),
                        "digests": b"".join(self.digests[v][node] for v in senders)}
-            out.append(Message(RecordDict({RECORD: _config(content)}), dst_node_id=node, message_type=DELIVER))
+            out.append(Message(RecordDict({RECORD: to_config(content)}), dst_node_id=node, message_type=DELIVER))
         return out
 
     def take_deliver(self, replies: Mapping[int, Message]) -> list[Message]:
@@ -238,17 +238,17 @@ class SecureRound:
             if node not in participants:
                 continue
             try:
-                record = _record(msg)
-                accused = _nodes(record, "accused")
-                hashes = _split(record, "hashes", secagg.HASH_BYTES)
-                signatures = _split(record, "signatures", secagg.SIGNATURE_BYTES)
+                record = secagg_record(msg)
+                accused = node_list(record, "accused")
+                hashes = split_fixed(record, "hashes", secagg_primitives.HASH_BYTES)
+                signatures = split_fixed(record, "signatures", secagg_primitives.SIGNATURE_BYTES)
                 if not len(accused) == len(hashes) == len(signatures) or len(set(accused)) != len(accused):
                     raise SecAggError("accused, hashes and signatures must describe as many complaints")
                 mail = self.mail.get(node, {})
                 for dealer, blob_hash, signature in zip(accused, hashes, signatures):
-                    if dealer not in mail or secagg.share_hash(mail[dealer]) != blob_hash:
+                    if dealer not in mail or secagg_primitives.share_hash(mail[dealer]) != blob_hash:
                         raise SecAggError(f"it complained about a share of node {dealer} it was not sent")
-                    if not secagg.verify_signature(self.signing[node], signature, secagg.complaint_message(
+                    if not secagg_primitives.verify_signature(self.signing[node], signature, secagg_primitives.complaint_message(
                             self.round, dealer, node, blob_hash)):
                         raise SecAggError(f"its complaint about node {dealer} does not carry its signature")
                 for dealer, blob_hash, signature in zip(accused, hashes, signatures):
@@ -262,10 +262,10 @@ class SecureRound:
         out = []
         for dealer in accused:
             holders = [h for h, _, _ in self.complaints[dealer]]
-            content = {**self._header(), "holders": _ids(holders),
+            content = {**self._header(), "holders": join_ids(holders),
                        "hashes": b"".join(x for _, x, _ in self.complaints[dealer]),
                        "signatures": b"".join(g for _, _, g in self.complaints[dealer])}
-            out.append(Message(RecordDict({RECORD: _config(content)}), dst_node_id=dealer, message_type=OPEN))
+            out.append(Message(RecordDict({RECORD: to_config(content)}), dst_node_id=dealer, message_type=OPEN))
         if not out:
             self._settle()
         return out
@@ -282,8 +282,8 @@ class SecureRound:
             try:
                 if msg is None:
                     raise SecAggError("no answer")
-                record = _record(msg)
-                holders, keys = _nodes(record, "holders"), _split(record, "ephemerals", secagg.KEY_BYTES)
+                record = secagg_record(msg)
+                holders, keys = node_list(record, "holders"), split_fixed(record, "ephemerals", secagg.KEY_BYTES)
                 if len(holders) != len(keys):
                     raise SecAggError("holders and ephemerals must be as many")
                 opened = dict(zip(holders, keys))
@@ -318,7 +318,7 @@ class SecureRound:
         if self.final is None or node not in self.final:
             return None
         content = {**self._header(), **self._keys_record(self.final)}
-        message.content[RECORD] = _config(content)
+        message.content[RECORD] = to_config(content)
         return message
 
     def check_upload(self, record: ArrayRecord) -> np.ndarray:
@@ -351,8 +351,8 @@ class SecureRound:
         uploaded = sorted(self.masked)
         self._check_count(uploaded, "upload")
         dropped = [v for v in self.participants if v not in self.masked]
-        content = {**self._header(), "uploaded": _ids(uploaded), "dropped": _ids(dropped)}
-        return [Message(RecordDict({RECORD: _config(content)}), dst_node_id=v, message_type=UNMASK)
+        content = {**self._header(), "uploaded": join_ids(uploaded), "dropped": join_ids(dropped)}
+        return [Message(RecordDict({RECORD: to_config(content)}), dst_node_id=v, message_type=UNMASK)
                 for v in uploaded]
 
     def take_reveals(self, replies: Mapping[int, Message]) -> dict[str, np.ndarray]:
@@ -365,9 +365,9 @@ class SecureRound:
             if int(node) not in self.masked:
                 continue
             try:
-                record = _record(msg)
-                owners, kinds = _nodes(record, "owners"), record.get("kinds", "")
-                indices, blob = _nodes(record, "indices"), record.get("shares", b"")
+                record = secagg_record(msg)
+                owners, kinds = node_list(record, "owners"), record.get("kinds", "")
+                indices, blob = node_list(record, "indices"), record.get("shares", b"")
                 if not (isinstance(kinds, str) and isinstance(blob, bytes)
                         and len(owners) == len(kinds) == len(indices)):
                     raise SecAggError("owners, kinds, indices and shares must describe as many shares")
@@ -400,276 +400,3 @@ class SecureRound:
             out[key] = values[start:start + size].reshape(shape)
             start += size
         return out
-
-
-# ---------------------------------------------------------------------- client
-_STATE = "postcard.secagg"  # context.state ConfigRecord: this node's secrets of the current round
-
-
-def _secrets(state: RecordDict, server_round: int) -> tuple[ClientSecrets, ConfigRecord]:
-    if _STATE not in state.config_records or state.config_records[_STATE].get("round") != server_round:
-        raise SecAggError(f"this node holds no secure-aggregation secrets for round {server_round} "
-                          "(it missed an earlier stage)")
-    kept = state.config_records[_STATE]
-    return ClientSecrets(kept["c"], kept["s"], kept.get("seed", b""), kept.get("g", b""), kept.get("eph", b"")), kept
-
-
-def _keys_of(record: ConfigRecord) -> dict[int, tuple[bytes, bytes]]:
-    nodes = _nodes(record, "nodes")
-    c_keys = _split(record, "c-keys", secagg.KEY_BYTES)
-    s_keys = _split(record, "s-keys", secagg.KEY_BYTES)
-    if not len(nodes) == len(c_keys) == len(s_keys) or len(set(nodes)) != len(nodes):
-        raise SecAggError("the participants' list is malformed")
-    return {v: (c, s) for v, c, s in zip(nodes, c_keys, s_keys)}
-
-
-def _signing_of(record: ConfigRecord) -> dict[int, bytes]:
-    nodes, keys = _nodes(record, "nodes"), _split(record, "g-keys", secagg.KEY_BYTES)
-    if len(nodes) != len(keys):
-        raise SecAggError("the participants' signing keys are malformed")
-    return dict(zip(nodes, keys))
-
-
-def _round_of(record: ConfigRecord, settings: SecureSettings) -> tuple[int, FixedPoint, int]:
-    server_round, n = record.get("round"), record.get("n")
-    if not isinstance(server_round, int) or not isinstance(n, int):
-        raise SecAggError("the message names no round or client count")
-    return server_round, settings.fixed_point(n), settings.threshold_for(n)
-
-
-def client_keys(msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
-    """Stage 1 on a node: new secrets for this round (kept in ``state``), the public keys as the reply."""
-    server_round, _, _ = _round_of(_record(msg), settings)
-    secrets = ClientSecrets.new()
-    state[_STATE] = ConfigRecord({"round": server_round, "c": secrets.c_private, "s": secrets.s_private,
-                                  "g": secrets.g_private})
-    c_key, s_key = secrets.public_keys()
-    return RecordDict({RECORD: ConfigRecord({"c-key": c_key, "s-key": s_key, "g-key": secrets.signing_key()})})
-
-
-def client_shares(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
-    """Stage 2 on a node: its Shamir shares, encrypted to each other participant, and the digests
-    of all of them. The node derives the threshold from the participants' list it is given (a
-    majority of them, or the run's own threshold), checks that the message's ``n`` is that list's
-    length, and that the server asks for the run's own settings (threshold, bits, clip), not weaker ones."""
-    record = _record(msg)
-    server_round, fixed, _ = _round_of(record, settings)
-    public = _keys_of(record)
-    if record.get("n") != len(public):
-        raise SecAggError(f"the server says n = {record.get('n')} but advertises {len(public)} participants")
-    threshold = settings.threshold_for(len(public))
-    if (record.get("threshold"), record.get("bits"), record.get("clip")) != (threshold, fixed.bits, fixed.clip):
-        raise SecAggError(f"the server asks for threshold {record.get('threshold')}, {record.get('bits')} bits, "
-                          f"clip {record.get('clip')}; this run's settings give {threshold}, {fixed.bits}, "
-                          f"{fixed.clip}")
-    signing = _signing_of(record)
-    if set(signing) != set(public):
-        raise SecAggError("the participants' signing keys do not match their list")
-    secrets, kept = _secrets(state, server_round)
-    commitment, out, digests = secagg.make_shares(me, secrets, public, threshold, server_round)
-    kept["seed"], kept["eph"] = secrets.seed, secrets.eph
-    kept["own-share"] = out.pop(me)
-    kept["threshold"], kept["dealt"] = threshold, _ids(sorted(public))
-    kept["dealt-keys"] = b"".join(public[v][0] + public[v][1] for v in sorted(public))
-    kept["dealt-g"] = b"".join(signing[v] for v in sorted(public))
-    kept["sent"] = b"".join(secagg.share_hash(out[v]) if v in out else bytes(secagg.HASH_BYTES) for v in sorted(public))
-    to = sorted(out)
-    return RecordDict({RECORD: _config({"commitment": commitment, "to": _ids(to),
-                                             "shares": b"".join(out[v] for v in to),
-                                             "digests": b"".join(digests[v] for v in sorted(public))})})
-
-
-def _dealt(kept: ConfigRecord) -> tuple[int, dict[int, tuple[bytes, bytes]]]:
-    """The threshold and the participants' keys this node dealt its shares under (stage 2)."""
-    if "threshold" not in kept:
-        raise SecAggError("this node dealt no shares in this round")
-    nodes = _nodes(kept, "dealt")
-    pairs = _split(kept, "dealt-keys", 2 * secagg.KEY_BYTES)
-    return int(kept["threshold"]), {v: (p[:secagg.KEY_BYTES], p[secagg.KEY_BYTES:]) for v, p in zip(nodes, pairs)}
-
-
-def _dealt_signing(kept: ConfigRecord) -> dict[int, bytes]:
-    return dict(zip(_nodes(kept, "dealt"), _split(kept, "dealt-g", secagg.KEY_BYTES)))
-
-
-def client_deliver(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
-    """The deliver stage on a node: the shares dealt to it checked against their dealers' digests before
-    anyone masks; each bad one a complaint signed with this node's key (the share's hash, so only a share
-    this node was really sent can be named). The shares are kept for the unmask stage."""
-    record = _record(msg)
-    server_round, _, _ = _round_of(record, settings)
-    secrets, kept = _secrets(state, server_round)
-    _, dealt = _dealt(kept)
-    public = _keys_of(record)
-    if public != dealt:
-        raise SecAggError("the participants' keys are not those this node dealt its shares to")
-    senders, blobs = _nodes(record, "from"), _split(record, "shares", secagg.SHARE_BLOB)
-    digests = _split(record, "digests", secagg.DIGEST_BYTES)
-    if not len(senders) == len(blobs) == len(digests) or not set(senders) <= set(public) - {me}:
-        raise SecAggError("the relayed shares are malformed")
-    accused, hashes, signatures = [], [], []
-    for sender, blob, digest in zip(senders, blobs, digests):
-        if secagg.share_problem(me, secrets, sender, public, blob, server_round, digest) is not None:
-            blob_hash = secagg.share_hash(blob)
-            accused.append(sender)
-            hashes.append(blob_hash)
-            signatures.append(secrets.sign(secagg.complaint_message(server_round, sender, me, blob_hash)))
-    for key in ("from", "shares", "digests"):  # kept for the unmask stage
-        if key in record:
-            kept[key] = record[key]
-    return RecordDict({RECORD: _config({"accused": _ids(accused), "hashes": b"".join(hashes),
-                                        "signatures": b"".join(signatures)})})
-
-
-def client_open(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
-    """The open stage on an accused dealer: for each complaint signed by its holder about a share this node
-    really sent (its hash), the ephemeral key of that one share — what a judge needs to settle it, which
-    reveals that share only (its holder has it already). A complaint it cannot verify is not opened."""
-    record = _record(msg)
-    server_round, _, _ = _round_of(record, settings)
-    secrets, kept = _secrets(state, server_round)
-    signing = _dealt_signing(kept)
-    sent = dict(zip(_nodes(kept, "dealt"), _split(kept, "sent", secagg.HASH_BYTES)))
-    holders = _nodes(record, "holders")
-    hashes = _split(record, "hashes", secagg.HASH_BYTES)
-    signatures = _split(record, "signatures", secagg.SIGNATURE_BYTES)
-    if not len(holders) == len(hashes) == len(signatures):
-        raise SecAggError("the complaints are malformed")
-    opened, keys = [], []
-    for holder, blob_hash, signature in zip(holders, hashes, signatures):
-        if holder == me or sent.get(holder) != blob_hash or holder not in signing:
-            continue  # not a share this node sent that holder
-        if not secagg.verify_signature(signing[holder], signature, secagg.complaint_message(
-                server_round, me, holder, blob_hash)):
-            continue  # not that holder's complaint: opening would hand its share to whoever forged it
-        opened.append(holder)
-        keys.append(secagg.ephemeral_of(secrets.eph, server_round, holder))
-    return RecordDict({RECORD: _config({"holders": _ids(opened), "ephemerals": b"".join(keys)})})
-
-
-def client_mask(me: int, msg: Message, state: RecordDict, settings: SecureSettings,
-                values: Mapping[str, np.ndarray], rng: np.random.Generator) -> tuple[ArrayRecord, float]:
-    """Stage 3 on a node: its values (any keys; sorted order) masked with the final participants' pair
-    masks, as ``postcard.secagg`` arrays, and the fraction of values clipped to ±clip."""
-    record = _record(msg)
-    server_round, _, _ = _round_of(record, settings)
-    secrets, kept = _secrets(state, server_round)
-    threshold, dealt = _dealt(kept)
-    fixed = settings.fixed_point(len(dealt))
-    public = _keys_of(record)
-    if me not in public or len(public) < threshold:
-        raise SecAggError(f"the round's {len(public)} participants are fewer than the threshold {threshold}, "
-                          "or this node is not among them")
-    if any(dealt.get(v) != keys for v, keys in public.items()):
-        raise SecAggError("the participants' keys are not those this node dealt its shares to")
-    if "from" not in kept and len(dealt) > 1:
-        raise SecAggError("this node checked no shares in this round (it missed the deliver stage)")
-    kept["uploaded"] = True
-    for key in ("nodes", "c-keys", "s-keys"):  # kept for stage 4
-        if key in record:
-            kept[key] = record[key]
-    keys = sorted(values)
-    flat = np.concatenate([np.asarray(values[k], np.float64).ravel() for k in keys]) if keys else np.zeros(0)
-    levels, clipped = fixed.encode(flat, rng)
-    masked = secagg.mask(me, secrets, public, levels, fixed, server_round)
-    out, start = ArrayRecord(), 0
-    for key in keys:
-        shape = tuple(int(s) for s in np.shape(values[key]))
-        size = int(np.prod(shape))
-        out[key] = Array(dtype=fixed.dtype.name, shape=shape, stype=STYPE, data=masked[start:start + size].tobytes())
-        start += size
-    return out, clipped / max(1, flat.size)
-
-
-def client_unmask(me: int, msg: Message, state: RecordDict, settings: SecureSettings) -> RecordDict:
-    """Stage 4 on a node: its shares of the uploaders' seeds and of the dropped nodes' mask keys."""
-    record = _record(msg)
-    server_round, _, _ = _round_of(record, settings)
-    secrets, kept = _secrets(state, server_round)
-    if not kept.get("uploaded"):
-        raise SecAggError("this node did not upload in this round")
-    threshold, _ = _dealt(kept)
-    public = _keys_of(kept)
-    senders = _nodes(kept, "from")
-    shares = dict(zip(senders, _split(kept, "shares", secagg.SHARE_BLOB)))
-    digests = dict(zip(senders, _split(kept, "digests", secagg.DIGEST_BYTES)))
-    shares[me] = kept["own-share"]
-    revealed = secagg.reveal(me, secrets, shares, public, _nodes(record, "uploaded"), _nodes(record, "dropped"),
-                             threshold, server_round, digests)
-    del state[_STATE]  # the round's secrets are spent
-    owners = sorted(revealed)
-    return RecordDict({RECORD: _config({"owners": _ids(owners), "kinds": "".join(revealed[v][0] for v in owners),
-                                             "indices": _ids(revealed[v][1] for v in owners),
-                                             "shares": b"".join(revealed[v][2] for v in owners)})})
-
-
-# ---------------------------------------------------------------------- both ends in one process
-def local_round(strategy, updates: Mapping[int, Mapping[str, np.ndarray]], *, server_round: int = 1,
-                skip_upload: Iterable[int] = (), skip_unmask: Iterable[int] = (), records: Mapping | None = None,
-                tamper=None, timings: dict | None = None, hostile: Mapping | None = None,
-                skip_deliver: Iterable[int] = (), skip_open: Iterable[int] = ()) -> dict:
-    """One secure round of ``strategy`` (a PayloadFedAvg with ``secure`` settings) with in-process
-    clients, no Flower runtime: the same messages and checks as a run (tests and benchmarks).
-
-    ``updates``: {node: {key: update}}; nodes in ``skip_deliver`` vanish after the shares stage, in
-    ``skip_open`` do not answer the open stage, in ``skip_upload`` vanish before uploading, those in
-    ``skip_unmask`` after uploading. ``records``: extra records in every training reply;
-    ``tamper(replies)`` may change the training replies before the server sees them, and
-    ``hostile[stage](replies)`` any stage's (``KEYS``, ``SHARES``, ``DELIVER``, ``OPEN``, ``"train"``, ``UNMASK``). ``timings``
-    collects seconds per (stage, 'server' | 'client', summed over clients). Returns the round's record so far
-    (per-client bytes, the secure-aggregation summary, refusals)."""
-    import time
-
-    from flwr.app import MetricRecord
-
-    clock = timings if timings is not None else {}
-    states = {int(v): RecordDict() for v in updates}
-    skip_upload, skip_unmask = set(skip_upload), set(skip_unmask)
-
-    def timed(stage, side, fn, *args):
-        start = time.perf_counter()
-        out = fn(*args)
-        clock[(stage, side)] = clock.get((stage, side), 0.0) + time.perf_counter() - start
-        return out
-
-    def answer(stage, msgs, fn, skip=()):
-        replies = [Message(timed(stage, "client", fn, m), reply_to=m) for m in msgs
-                   if m.metadata.dst_node_id not in skip]
-        stage_type = {"keys": KEYS, "shares": SHARES, "deliver": DELIVER, "open": OPEN, "upload": "train",
-                      "unmask": UNMASK}[stage]
-        if hostile and stage_type in hostile:
-            hostile[stage_type](replies)
-        return replies
-
-    def node(m):
-        return int(m.metadata.dst_node_id)
-
-    settings = strategy.secure
-    train = [Message(RecordDict({"arrays": strategy.downlink_arrays(), "config": ConfigRecord({})}), dst_node_id=v,
-                     message_type="train") for v in sorted(states)]
-    msgs = timed("keys", "server", strategy.secure_stages.begin, server_round, train)
-    replies = answer("keys", msgs, lambda m: client_keys(m, states[node(m)], settings))
-    msgs = timed("shares", "server", strategy.secure_stages.keys, server_round, replies)
-    replies = answer("shares", msgs, lambda m: client_shares(node(m), m, states[node(m)], settings))
-    msgs = timed("deliver", "server", strategy.secure_stages.shares, server_round, replies)
-    replies = answer("deliver", msgs, lambda m: client_deliver(node(m), m, states[node(m)], settings), skip_deliver)
-    msgs = timed("open", "server", strategy.secure_stages.deliver, server_round, replies)
-    if msgs and msgs[0].metadata.message_type == OPEN:  # a holder complained: the accused dealers open
-        replies = answer("open", msgs, lambda m: client_open(node(m), m, states[node(m)], settings), skip_open)
-        msgs = timed("upload", "server", strategy.secure_stages.open, server_round, replies)
-
-    def upload(m):
-        arrays, _ = client_mask(node(m), m, states[node(m)], settings, updates[node(m)],
-                                np.random.default_rng(node(m)))
-        content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})})
-        for name, record in (records or {}).items():
-            content[name] = record
-        return content
-
-    replies = answer("upload", msgs, upload, skip_upload)
-    if tamper is not None:
-        tamper(replies)
-    msgs = timed("unmask", "server", strategy.secure_stages.upload, server_round, replies)
-    replies = answer("unmask", msgs, lambda m: client_unmask(node(m), m, states[node(m)], settings), skip_unmask)
-    timed("finish", "server", strategy.secure_stages.finish, server_round, replies)
-    return strategy.round_record()

@@ -20,7 +20,8 @@ from strategies.base import PayloadFedAvg
 from strategies.channel import LATENT_KEY
 from strategies.privacy import Privacy
 from strategies.robust import Robustness
-from strategies.secure_round import SecureSettings, local_round
+from strategies.secure_local import local_round
+from strategies.secure_round import SecureSettings
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from strategies import codec
 from strategies.flite import FINGERPRINT_RECORD, FliteStrategy
-from strategies.secure_round import SecureSettings, local_round
+from strategies.secure_local import local_round
+from strategies.secure_round import SecureSettings
 
 STATE = {"a": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "b": np.zeros(5, np.float32)}
 SETTINGS = SecureSettings(bits=16, clip=0.5)
@@ -128,7 +129,8 @@ def test_a_malformed_stage_reply_drops_its_node_and_a_node_refuses_weaker_settin
     from flwr.app import Message, RecordDict
 
     from strategies.secagg import SecAggError
-    from strategies.secure_round import KEYS, RECORD, client_keys, client_shares
+    from strategies.secure_client import client_keys, client_shares
+    from strategies.secure_round import KEYS, RECORD
 
     strat = strategy(SecureSettings(bits=16, clip=0.5, threshold=2))
     train = [Message(RecordDict({"arrays": strat.downlink_arrays(), "config": ConfigRecord({})}), dst_node_id=v,

@@ -243,7 +243,8 @@ class _DeclaredLinear(PayloadFedAvg):
 def test_a_linear_combiner_runs_on_every_path_plain_and_secure():
     """#61: after_mean is applied to the plain mean and to a secure round's revealed mean alike (the same
     doubled step from the same updates), where an overridden combine was refused under secure aggregation."""
-    from strategies.secure_round import SecureSettings, local_round
+    from strategies.secure_local import local_round
+    from strategies.secure_round import SecureSettings
 
     from strategies.robust import Robustness
 

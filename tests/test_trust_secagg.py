@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from strategies import secagg, secure_round
+from strategies import secagg, secagg_primitives, secure_client, secure_round
 from strategies.base import PayloadFedAvg
 from strategies.secagg import SecAggError
-from strategies.secure_round import (KEYS, RECORD, SHARES, UNMASK, SecureSettings, client_keys, client_shares,
-                                     local_round)
+from strategies.secure_client import client_keys, client_shares
+from strategies.secure_local import local_round
+from strategies.secure_round import KEYS, RECORD, SHARES, UNMASK, SecureSettings
 from test_secure_round import plain_mean
 
 STATE = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}
@@ -115,7 +116,7 @@ def test_a_dealer_writing_a_wrong_index_into_authentic_shares_gets_no_honest_hol
     """#62 finding 2: the digest does not cover the index a share carries, so a dealer wrote 200 into otherwise
     authentic shares and the server refused n−t+1 honest holders by name and abandoned the round. The index is
     not read: every share counts at its holder's position, and the round completes with everyone's mean."""
-    real = secagg._SHARE
+    real = secagg.SHARE_STRUCT
 
     class Relabel:  # the dealer (node 1) packs index 200 into every share it deals
         size = real.size
@@ -126,7 +127,7 @@ def test_a_dealer_writing_a_wrong_index_into_authentic_shares_gets_no_honest_hol
 
         unpack = staticmethod(real.unpack)
 
-    monkeypatch.setattr(secagg, "_SHARE", Relabel)
+    monkeypatch.setattr(secagg, "SHARE_STRUCT", Relabel)
     strat, updates = strategy(clients=len(nodes)), updates_for(nodes)
     local_round(strat, updates)
     np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, nodes), atol=1e-6)
@@ -223,9 +224,9 @@ def test_a_server_cannot_lower_the_threshold():
 def test_every_x25519_low_order_input_is_refused_and_a_real_key_accepted():
     for u in LOW_ORDER + [NON_CANONICAL, 2**255 + 9]:
         with pytest.raises(SecAggError):
-            secagg.check_public_key(key_bytes(u), "key")
+            secagg_primitives.check_public_key(key_bytes(u), "key")
     good = secagg.ClientSecrets.new().public_keys()
-    assert secagg.check_public_key(good[0], "key") == good[0]
+    assert secagg_primitives.check_public_key(good[0], "key") == good[0]
 
 
 def test_one_holder_withholding_a_share_cannot_frame_an_honest_dealer_even_at_t_equal_n():
@@ -267,7 +268,7 @@ def test_a_dealer_whose_shares_miss_their_digests_is_convicted_before_masking_an
     excluded before anyone masks with it, and the round completes with the others."""
     nodes = list(range(1, n + 1))
     strat, updates = strategy(clients=n), updates_for(nodes)
-    cheat, t = 1, secagg.default_threshold(n)
+    cheat, t = 1, secagg_primitives.default_threshold(n)
     victims = nodes[1:1 + max(n - t, 1)]
 
     def bad_digests(replies):  # the digests node 1 publishes for its victims' shares are not those shares'
@@ -287,8 +288,8 @@ def test_a_dealer_whose_shares_miss_their_digests_is_convicted_before_masking_an
     # the evidence is enough for anyone: the share, the opened key, the digest, the holder's signed complaint
     e = evidence[0]
     blob = bytes.fromhex(e["share"])
-    assert secagg.verify_signature(bytes.fromhex(e["holder_signing_key"]), bytes.fromhex(e["complaint_signature"]),
-                                   secagg.complaint_message(1, cheat, e["holder"], secagg.share_hash(blob)))
+    assert secagg_primitives.verify_signature(bytes.fromhex(e["holder_signing_key"]), bytes.fromhex(e["complaint_signature"]),
+                                   secagg_primitives.complaint_message(1, cheat, e["holder"], secagg_primitives.share_hash(blob)))
 
 
 def test_a_holder_complaining_about_a_good_share_is_convicted_and_the_dealer_kept(monkeypatch):
@@ -314,13 +315,13 @@ def test_a_complaint_without_its_holders_signature_is_refused_and_opens_nothing(
         record = by_node(replies, 9).content[RECORD]
         record["accused"] = "14"
         record["hashes"] = relayed["hash"]
-        record["signatures"] = bytes(secagg.SIGNATURE_BYTES)
+        record["signatures"] = bytes(secagg_primitives.SIGNATURE_BYTES)
 
     def keep_hash(replies):
         record = by_node(replies, 14).content[RECORD]
         to, blobs = record["to"].split(","), record["shares"]
         at = to.index("9") * secagg.SHARE_BLOB
-        relayed["hash"] = secagg.share_hash(blobs[at:at + secagg.SHARE_BLOB])
+        relayed["hash"] = secagg_primitives.share_hash(blobs[at:at + secagg.SHARE_BLOB])
 
     local_round(strat, updates, hostile={SHARES: keep_hash, secure_round.DELIVER: forge})
     np.testing.assert_allclose(flat(strat.global_state), mean_of(updates, [3, 14, 20, 27]), atol=1e-6)
@@ -342,10 +343,10 @@ def test_a_dealer_opens_only_what_its_holder_signed_for():
     dealt = client_shares(1, Message(RecordDict({RECORD: ConfigRecord(record)}), dst_node_id=1,
                                      message_type=SHARES), states[1], settings)[RECORD]
     blob = dealt["shares"][:secagg.SHARE_BLOB]  # node 1's share to node 2
-    forged = {"round": 1, "n": 3, "holders": "2", "hashes": secagg.share_hash(blob),
-              "signatures": bytes(secagg.SIGNATURE_BYTES)}
-    out = secure_round.client_open(1, Message(RecordDict({RECORD: ConfigRecord(forged)}), dst_node_id=1,
-                                              message_type=secure_round.OPEN), states[1], settings)[RECORD]
+    forged = {"round": 1, "n": 3, "holders": "2", "hashes": secagg_primitives.share_hash(blob),
+              "signatures": bytes(secagg_primitives.SIGNATURE_BYTES)}
+    out = secure_client.client_open(1, Message(RecordDict({RECORD: ConfigRecord(forged)}), dst_node_id=1,
+                                               message_type=secure_round.OPEN), states[1], settings)[RECORD]
     assert "ephemerals" not in out  # nothing opened
 
 
