@@ -449,7 +449,7 @@ SUPERLINKS = ("sqlite", "memory")
 def superlink_get_nodes(registered: int, database: str = "sqlite", calls: int = 5) -> dict:
     """What one ``get_node_ids`` costs the SuperLink (another process; not in the ServerApp's seconds):
     ``registered`` online nodes in a fresh Flower 1.42 LinkState — ``sqlite`` (a ``state.db`` file, as
-    ``postcard.deploy``'s persistent SuperLink and ``flower-superlink --database`` keep it) or
+    ``postcard.loopback``'s persistent SuperLink and ``flower-superlink --database`` keep it) or
     ``memory`` (``flower-superlink``'s default) —, one run, then the Runtime API's ``GetNodes`` handler
     (``flwr.superlink.servicer.runtime.runtime_handlers.get_nodes``) and its response serialised,
     ``calls`` times."""

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from postcard.deploy import ROOT, flower_env
+from postcard.flwr_cli import ROOT, flower_env
 from postcard.superlink import SuperLinkBusy, check_free
 
 

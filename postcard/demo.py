@@ -105,7 +105,7 @@ def ensure_pool(args, demo_folder: Path) -> None:
 def flwr_run(args, method: str, folder: Path) -> dict:
     """``flwr run .`` of one method (streamed to the console); its summary.json."""
     from postcard.app_run import stream_logs
-    from postcard.deploy import flower_env
+    from postcard.flwr_cli import flower_env
     from postcard.superlink import SuperLinkBusy, check_free
 
     env = flower_env()  # this venv first on PATH (`flwr run` starts `flower-superlink` from there), own ports

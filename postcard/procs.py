@@ -1,4 +1,4 @@
-"""Process helpers shared by ``postcard.deploy``, ``postcard.fleetgate`` and ``postcard.superlink``.
+"""Process helpers shared by ``postcard.loopback``, ``postcard.fleetgate`` and ``postcard.superlink``.
 
 Free ports, open ports, and killing a process with its descendants by process id. This
 module imports nothing of Postcard's, so every other module can import it at the top

@@ -15,7 +15,7 @@ with the object pulls of :mod:`fedapps.pulls`. Every other argument goes to Flow
 It relies on Flower internals (the two ``time.sleep`` calls of that module), so like
 :mod:`postcard.worker` it refuses another flwr in one line (exit status 2), and it checks
 that the module still holds exactly those calls before it changes anything.
-``postcard.deploy``'s loopback cluster starts it for warm nodes (docs/deploy.md, section 9).
+``postcard.loopback``'s cluster starts it for warm nodes (docs/deploy.md, section 9).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from postcard.deploy import flower_env
+from postcard.flwr_cli import flower_env
 from postcard.superlink import stop as stop_superlinks
 
 ROOT = Path(__file__).resolve().parent.parent

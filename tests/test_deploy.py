@@ -1,6 +1,6 @@
 """Deployment over loopback: a real SuperLink and three SuperNodes, TLS and node authentication.
 
-One cluster (``postcard.deploy.LoopbackCluster``) serves the whole module: certificates and
+One cluster (``postcard.loopback.LoopbackCluster``) serves the whole module: certificates and
 SuperNode keys are generated here, the keys registered with ``flwr supernode register``,
 and FedNL under secure aggregation (every present algorithm with ``POSTCARD_DEPLOY_ALL=1``) runs
 through ``flwr run . postcard-local`` with the tiny Llama. Then the faults, on a SmartFed run (its
@@ -25,7 +25,9 @@ import pytest
 
 from fedapps import registry
 from fedapps import checkpoint as ckpt
-from postcard.deploy import LoopbackCluster, free_port, kill_tree, make_node_keys
+from postcard.certs import make_node_keys
+from postcard.loopback import LoopbackCluster
+from postcard.procs import free_port, kill_tree
 from fedapps.outputs import read_metrics
 
 pytestmark = pytest.mark.slow

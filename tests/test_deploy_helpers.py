@@ -11,11 +11,11 @@ import tomllib
 import psutil
 import pytest
 
-from postcard import deploy
+from postcard import certs, deploy, flwr_cli, loopback, procs
 
 
 def test_certificates_give_a_tls_handshake_for_every_host_and_only_those(tmp_path):
-    paths = deploy.make_certificates(tmp_path, hosts=("localhost", "127.0.0.1"))
+    paths = certs.make_certificates(tmp_path, hosts=("localhost", "127.0.0.1"))
     assert {p.name for p in tmp_path.iterdir()} == {"ca.crt", "ca.key", "server.pem", "server.key"}
     assert paths["server.key"].stat().st_mode & 0o077 == 0 and paths["ca.key"].stat().st_mode & 0o077 == 0
 
@@ -51,7 +51,7 @@ def test_node_keys_are_what_flower_loads(tmp_path):
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key
     from flwr.cli.supernode.register import try_load_public_key
 
-    pairs = deploy.make_node_keys(tmp_path, 2)
+    pairs = certs.make_node_keys(tmp_path, 2)
     assert [(p.name, q.name) for p, q in pairs] == [("supernode-0", "supernode-0.pub"), ("supernode-1", "supernode-1.pub")]
     for private, public in pairs:
         key = load_ssh_private_key(private.read_bytes(), password=None)  # as flower-supernode loads it
@@ -61,11 +61,11 @@ def test_node_keys_are_what_flower_loads(tmp_path):
 
 
 def test_the_cli_connection_file(tmp_path):
-    path = deploy.write_connection(tmp_path / "home", "127.0.0.1:8000", tmp_path / "ca.crt")
+    path = flwr_cli.write_connection(tmp_path / "home", "127.0.0.1:8000", tmp_path / "ca.crt")
 
     config = tomllib.loads(path.read_text())
-    assert config["superlink"]["default"] == deploy.CONNECTION
-    assert config["superlink"][deploy.CONNECTION] == {"address": "127.0.0.1:8000",
+    assert config["superlink"]["default"] == flwr_cli.CONNECTION
+    assert config["superlink"][flwr_cli.CONNECTION] == {"address": "127.0.0.1:8000",
                                                       "root-certificates": str(tmp_path / "ca.crt")}
 
 
@@ -78,7 +78,7 @@ def test_kill_tree_stops_a_process_and_its_children():
         while not psutil.Process(parent.pid).children() and time.time() < deadline:
             time.sleep(0.1)
         child = psutil.Process(parent.pid).children()[0].pid
-        killed = deploy.kill_tree(parent.pid)
+        killed = procs.kill_tree(parent.pid)
         assert set(killed) == {parent.pid, child}
         parent.wait(timeout=5)
         assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
@@ -102,7 +102,7 @@ def test_cli_commands_write_certificates_and_keys(tmp_path):
 def test_a_run_is_waited_for_until_flwr_list_says_it_finished(tmp_path, monkeypatch):
     """`flwr run --stream` can return while the run goes on (a dropped log stream): the
     cluster then polls the run's status and only a finished status ends the wait."""
-    cluster = deploy.LoopbackCluster(tmp_path, nodes=1)
+    cluster = loopback.LoopbackCluster(tmp_path, nodes=1)
     statuses = iter(["starting", "running", "running", "finished:completed"])
     asked = []
 
@@ -112,13 +112,13 @@ def test_a_run_is_waited_for_until_flwr_list_says_it_finished(tmp_path, monkeypa
 
     monkeypatch.setattr(cluster, "cli", fake_cli)
     assert cluster.wait_run(7, timeout=30, poll=0.01) == "finished:completed"
-    assert len(asked) == 4 and asked[0] == ["list", deploy.CONNECTION, "--run-id", "7", "--format", "json"]
+    assert len(asked) == 4 and asked[0] == ["list", flwr_cli.CONNECTION, "--run-id", "7", "--format", "json"]
 
     monkeypatch.setattr(cluster, "cli", lambda args, timeout=120.0: '{"success": true, "runs": [{"status": "running"}]}')
-    with pytest.raises(deploy.DeployError, match="still 'running'"):
+    with pytest.raises(flwr_cli.DeployError, match="still 'running'"):
         cluster.wait_run(7, timeout=0.05, poll=0.01)
     monkeypatch.setattr(cluster, "cli", lambda args, timeout=120.0: '{"success": true, "runs": []}')
-    with pytest.raises(deploy.DeployError, match="does not know run 7"):
+    with pytest.raises(flwr_cli.DeployError, match="does not know run 7"):
         cluster.wait_run(7, timeout=1, poll=0.01)
 
 
@@ -127,14 +127,14 @@ def test_rewriting_an_existing_key_file_leaves_it_readable_by_the_owner_only(tmp
     kept 0644 (world-readable) until the mode was set on the descriptor (fchmod)."""
     import os
 
-    certs, keys = tmp_path / "certs", tmp_path / "keys"
-    certs.mkdir()
+    cert_dir, keys = tmp_path / "certs", tmp_path / "keys"
+    cert_dir.mkdir()
     keys.mkdir()
-    for path in (certs / "ca.key", certs / "server.key", keys / "supernode-0", certs / "ca.crt"):
+    for path in (cert_dir / "ca.key", cert_dir / "server.key", keys / "supernode-0", cert_dir / "ca.crt"):
         path.write_text("old")
         os.chmod(path, 0o644)
-    paths = deploy.make_certificates(certs)
-    (private, public), = deploy.make_node_keys(keys, 1)
+    paths = certs.make_certificates(cert_dir)
+    (private, public), = certs.make_node_keys(keys, 1)
     for path in (paths["ca.key"], paths["server.key"], private):
         assert path.stat().st_mode & 0o777 == 0o600, (path, oct(path.stat().st_mode))
     assert paths["ca.crt"].stat().st_mode & 0o777 == 0o644 and public.stat().st_mode & 0o777 == 0o644
@@ -142,7 +142,7 @@ def test_rewriting_an_existing_key_file_leaves_it_readable_by_the_owner_only(tmp
 
 
 def test_secrets_are_laid_out_one_folder_per_holder(tmp_path):
-    folders = deploy.layout_secrets(tmp_path, 2, hosts=("superlink", "127.0.0.1"))
+    folders = certs.layout_secrets(tmp_path, 2, hosts=("superlink", "127.0.0.1"))
     files = {name: sorted(p.name for p in folder.iterdir()) for name, folder in folders.items()}
     assert files == {"ca": ["ca.crt", "ca.key"], "superlink": ["ca.crt", "server.key", "server.pem"],
                      "public": ["ca.crt", "supernode-0.pub", "supernode-1.pub"],
@@ -157,5 +157,5 @@ def test_secrets_are_laid_out_one_folder_per_holder(tmp_path):
     assert key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) \
         == (tmp_path / "public" / "supernode-1.pub").read_bytes().strip()
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    deploy.layout_secrets(tmp_path, 2, hosts=("superlink", "127.0.0.1"))
+    certs.layout_secrets(tmp_path, 2, hosts=("superlink", "127.0.0.1"))
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -36,8 +36,9 @@ import psutil
 import pytest
 
 from postcard import fleetgate
-from postcard.deploy import (CONNECTION, LOOPBACK, ROOT, LoopbackCluster, _json_tail, executable, flower_env,
-                             make_node_keys, write_connection)
+from postcard.certs import LOOPBACK, make_node_keys
+from postcard.flwr_cli import CONNECTION, ROOT, executable, flower_env, json_tail, write_connection
+from postcard.loopback import LoopbackCluster
 
 OUTSIDER = "outsider"
 # a run the operator submits (and stops at once): the tiny Llama, nothing to wait for
@@ -84,15 +85,15 @@ def refused(proc: subprocess.CompletedProcess) -> bool:
         return False
     if proc.returncode != 0:
         return True
-    return _json_tail(proc.stdout).get("success") is False
+    return json_tail(proc.stdout).get("success") is False
 
 
 def registered_keys(cluster) -> int:
-    return len(_json_tail(cluster.cli(["supernode", "list", CONNECTION, "--format", "json"])).get("nodes", []))
+    return len(json_tail(cluster.cli(["supernode", "list", CONNECTION, "--format", "json"])).get("nodes", []))
 
 
 def runs(cluster) -> list[dict]:
-    return _json_tail(cluster.cli(["list", CONNECTION, "--format", "json"])).get("runs", [])
+    return json_tail(cluster.cli(["list", CONNECTION, "--format", "json"])).get("runs", [])
 
 
 # ---------------------------------------------------------------------------- listeners
@@ -165,11 +166,11 @@ def test_an_outsider_cannot_submit_a_run(cluster, outsider):
 # ---------------------------------------------------------------------------- the operator (127.0.0.1)
 def test_the_operator_registers_lists_and_submits(cluster, tmp_path):
     # registered by the operator in cluster.start(); online through the Fleet address
-    nodes = _json_tail(cluster.cli(["supernode", "list", CONNECTION, "--format", "json"]))["nodes"]
+    nodes = json_tail(cluster.cli(["supernode", "list", CONNECTION, "--format", "json"]))["nodes"]
     assert [(n["node-id"], n["status"]) for n in nodes] == [(cluster.registered[0], "online")]
     (_, public), = make_node_keys(tmp_path, 1, prefix="spare")
     out = cluster.cli(["supernode", "register", str(public), CONNECTION, "--format", "json"])
-    spare = str(_json_tail(out)["node-id"])
+    spare = str(json_tail(out)["node-id"])
     assert registered_keys(cluster) == 2
     cluster.cli(["supernode", "unregister", spare, CONNECTION])
     before = len(runs(cluster))

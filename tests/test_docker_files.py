@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from postcard import deploy, fleetgate
+from postcard import certs, deploy, fleetgate
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -194,9 +194,9 @@ def test_the_superlink_default_command_parses_and_matches_its_exposed_port():
     assert exposed == {fleet.fleet_port} and fleet.fleet_host == "0.0.0.0"
     assert args.host == "127.0.0.1" and args.port != fleet.fleet_port
     assert args.enable_supernode_auth and not args.insecure
-    assert args.ssl_ca_certfile == "/app/certificates/" + deploy.CA_CERT
-    assert args.ssl_certfile == "/app/certificates/" + deploy.SERVER_CERT
-    assert args.ssl_keyfile == "/app/certificates/" + deploy.SERVER_KEY
+    assert args.ssl_ca_certfile == "/app/certificates/" + certs.CA_CERT
+    assert args.ssl_certfile == "/app/certificates/" + certs.SERVER_CERT
+    assert args.ssl_keyfile == "/app/certificates/" + certs.SERVER_KEY
     assert args.database.startswith("/app/state/")
     volumes = " ".join(rest for word, rest in steps if word == "VOLUME")
     assert "/app/state" in volumes and "/app/outputs" in volumes
@@ -294,7 +294,7 @@ def test_compose_one_shot_services_and_the_operator_cli_run_the_deploy_cli():
     register = services()["register"]
     assert register["entrypoint"] == ["python", "-m", "postcard.deploy", "register"]
     args = deploy.build_parser().parse_args(["register", *[str(a) for a in register["command"]]])
-    assert Path(args.root_certificates).name == deploy.CA_CERT
+    assert Path(args.root_certificates).name == certs.CA_CERT
     secrets_args()  # parses
     cli = services()["cli"]
     assert cli["profiles"] == ["cli"] and cli["network_mode"] == "service:superlink"
@@ -332,7 +332,7 @@ def visible_secrets(tmp_path) -> tuple[dict[str, dict[str, bytes]], dict[str, se
     """Lay the secrets out as the ``secrets`` service does; return, per other service, the files it
     sees ({path in its container: content}), and per secret volume, the files in it."""
     args = secrets_args()
-    folders = deploy.layout_secrets(tmp_path, args.nodes, hosts=args.host)
+    folders = certs.layout_secrets(tmp_path, args.nodes, hosts=args.host)
     volume_dir = {}  # named volume -> the folder the secrets service writes it as
     for source, target, _ in mounts(services()["secrets"]):
         assert target.startswith(SECRET_VOLUMES_ROOT + "/"), target
@@ -356,10 +356,10 @@ def test_each_container_gets_only_its_own_secrets(tmp_path):
     seen, volumes = visible_secrets(tmp_path)
     names = {name: {Path(p).name for p in files} for name, files in seen.items()}
     # the CA's key goes into one volume, and only the one-shot `secrets` service mounts it
-    assert [v for v, files in volumes.items() if deploy.CA_KEY in files] == ["ca"]
-    assert not any(deploy.CA_KEY in files for files in names.values())
+    assert [v for v, files in volumes.items() if certs.CA_KEY in files] == ["ca"]
+    assert not any(certs.CA_KEY in files for files in names.values())
     # the SuperLink: its certificate and key, and ca.crt
-    assert names["superlink"] == {deploy.CA_CERT, deploy.SERVER_CERT, deploy.SERVER_KEY}
+    assert names["superlink"] == {certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY}
     _, link = parse_superlink(services()["superlink"]["command"])
     for path in (link.ssl_ca_certfile, link.ssl_certfile, link.ssl_keyfile):
         assert path in seen["superlink"], path
@@ -368,12 +368,12 @@ def test_each_container_gets_only_its_own_secrets(tmp_path):
     assert len(nodes) == 3
     for name, args in nodes.items():
         own = Path(args.auth_supernode_private_key).name
-        assert names[name] == {deploy.CA_CERT, own}, (name, names[name])
+        assert names[name] == {certs.CA_CERT, own}, (name, names[name])
         assert args.auth_supernode_private_key in seen[name] and args.root_certificates in seen[name]
         assert b"PRIVATE KEY" in seen[name][args.auth_supernode_private_key]
     # the register service and the operator's CLI: public material only
     for name in ("register", "cli"):
-        assert names[name] and all(n == deploy.CA_CERT or n.endswith(".pub") for n in names[name]), names[name]
+        assert names[name] and all(n == certs.CA_CERT or n.endswith(".pub") for n in names[name]), names[name]
         assert not any(b"PRIVATE KEY" in content for content in seen[name].values())
     args = deploy.build_parser().parse_args(["register", *[str(a) for a in services()["register"]["command"]]])
     assert set(args.public_keys) <= set(seen["register"]) and args.root_certificates in seen["register"]

@@ -83,7 +83,7 @@ output-dir = ""
 
 
 def test_flwr_run_with_one_hostile_supernode(tmp_path):
-    from postcard.deploy import flower_env
+    from postcard.flwr_cli import flower_env
     from postcard.superlink import stop as stop_superlinks
 
     app = tmp_path / "app"

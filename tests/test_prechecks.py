@@ -72,7 +72,7 @@ def test_flites_latent_budget_is_checked_against_the_models_layers_at_compose_ti
 
 def test_a_superlink_nobody_runs_is_named_in_one_line_with_the_fix(tmp_path):
     """#60: the SuperLink-unavailable message named no fix (and came as Flower's JSON)."""
-    from postcard.deploy import flower_env
+    from postcard.flwr_cli import flower_env
 
     (tmp_path / "config.toml").write_text('[superlink]\ndefault = "remote"\n\n[superlink.remote]\n'
                                           'address = "127.0.0.1:9"\ninsecure = true\n')

@@ -15,7 +15,7 @@ def test_ray_init_args_start_a_local_instance_unless_ray_address_names_a_cluster
 def test_the_local_superlink_starts_its_own_ray_unless_told_a_cluster(monkeypatch):
     """#60: `python -m postcard.app_run` without RAY_ADDRESS joined another process's Ray cluster (one run
     failed, the next hung): every Flower process Postcard starts gets RAY_ADDRESS=local unless it names one."""
-    from postcard.deploy import flower_env
+    from postcard.flwr_cli import flower_env
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert flower_env()["RAY_ADDRESS"] == "local"

@@ -7,7 +7,7 @@ import pytest
 
 from postcard import superlink
 from postcard.app_run import run_app
-from postcard.deploy import executable, flower_env
+from postcard.flwr_cli import executable, flower_env
 
 
 def test_ports_are_a_pair_of_their_own_per_flwr_home(tmp_path):

@@ -31,7 +31,9 @@ import pytest
 
 from fedapps.outputs import read_metrics
 from postcard import worker
-from postcard.deploy import ROOT, LoopbackCluster, kill_tree
+from postcard.flwr_cli import ROOT
+from postcard.loopback import LoopbackCluster
+from postcard.procs import kill_tree
 from test_deploy import checkpoint_round, only_run, wait_for
 
 # the run's config: the tiny Llama, one client, one round of 2 steps, one evaluation batch
