@@ -561,7 +561,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedapps.outputs import draw_curves
+    from fedapps.comparison import draw_curves
 
     partitions = results["settings"]["partitions"]
     fig, axes = plt.subplots(1, len(partitions), figsize=(6.5 * len(partitions), 4.6), squeeze=False)

@@ -38,7 +38,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedapps.config import CONF_DIR, GROUPS, ConfigError, choices, finalize
-from fedapps.outputs import write_comparison
+from fedapps.comparison import write_comparison
 
 class ComparisonTable(Callback):
     """Hydra callback: collect each job's summary; write the table when the sweep ends."""

@@ -136,7 +136,7 @@ def flwr_run(args, method: str, folder: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fedapps.outputs import write_comparison
+    from fedapps.comparison import write_comparison
 
     folder = (args.outputs / f"demo-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
     folder.mkdir(parents=True)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fedapps.outputs import comparison_curves, swept_keys, write_comparison
+from fedapps.comparison import comparison_curves, swept_keys, write_comparison
 
 
 def _run(tmp_path, name: str, lr: float, algorithm: str = "fedavg-lora", losses=(3.0, 2.0)) -> dict:
@@ -238,7 +238,7 @@ def test_a_one_round_metrics_png_shows_its_points_on_a_bytes_axis_whose_ticks_do
 
 def test_the_ratio_to_fedavg_lora_is_not_rounded_before_it_is_inverted():
     """648 B against 9,768,960 B is 15,076x fewer (the table said 15,152: the ratio was rounded to 6 decimals)."""
-    from fedapps.outputs import comparison_rows
+    from fedapps.comparison import comparison_rows
 
     runs = [{"algorithm": name, "uplink_bytes_per_client_round": up, "config": {}}
             for name, up in (("fedavg-lora", 9_768_960), ("flite", 648))]
