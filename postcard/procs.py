@@ -1,13 +1,17 @@
 """Process helpers shared by ``postcard.loopback``, ``postcard.fleetgate`` and ``postcard.superlink``.
 
-Free ports, open ports, and killing a process with its descendants by process id. This
+Free ports, open ports, killing a process with its descendants by process id, and exiting when a
+parent process ends. This
 module imports nothing of Postcard's, so every other module can import it at the top
 without a cycle.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
+import time
 
 import psutil
 
@@ -44,3 +48,19 @@ def kill_tree(pid: int, timeout: float = 15.0) -> list[int]:
             pass
     psutil.wait_procs(family, timeout=timeout)
     return killed
+
+
+def watch_parent(pid: int) -> None:
+    """Exit (without cleanup: the parent is gone) when process ``pid`` ends."""
+    def alive() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def watch() -> None:
+        while alive():
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="postcard-parent-watch").start()

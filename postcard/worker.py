@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from fedapps.pulls import prompt_object_pulls
+from postcard.procs import watch_parent
 
 FLWR_VERSION = "1.42.0"  # the Flower whose internals this module uses (see the module docstring)
 STARTED = time.time()  # when this program started (a re-execution keeps the pid, not this)
@@ -313,24 +314,6 @@ class Server:
         if self.args.events:
             with open(self.args.events, "a") as handle:
                 handle.write(json.dumps(event) + "\n")
-
-
-def watch_parent(pid: int) -> None:
-    """Exit (without cleanup: the parent is gone) when process ``pid`` ends."""
-    import psutil
-
-    def alive() -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    def watch() -> None:
-        while alive():
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="postcard-parent-watch").start()
 
 
 def preload(modules: str) -> None:
