@@ -57,7 +57,7 @@ class FinalModel:
         aggregated as the server does (weighted by examples, capped by ``robust``). Returns
         ``{"clients": [metrics per partition], "aggregate": {...}}``."""
         from clients.train import evaluate as evaluate_model
-        from strategies.base import NUM_EXAMPLES, aggregate_metrics
+        from strategies.screening import NUM_EXAMPLES, aggregate_metrics
         from strategies.robust import Robustness, cap_weights
         from omegaconf import OmegaConf
 

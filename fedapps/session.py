@@ -34,9 +34,9 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from omegaconf import OmegaConf
 
-from strategies.uplink import uplink_of
 from fedapps.resolved import from_yaml
-from strategies.base import CONFIG_RECORD
+from strategies.screening import CONFIG_RECORD
+from strategies.uplink import uplink_of
 
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "model-path", "data-path", "device")
 

@@ -5,8 +5,6 @@ Every method aggregates *some* named tensors (LoRA factors, latents, gates, expe
 once when the strategy is built (no stage asks which mode the run is in)::
 
     downlink -> screen -> decode -> check values -> bound -> release -> step -> finite? -> commit
-    (Downlink)  (screening)  (uplink.UplinkSpec)  (bounds: RobustBound | PrivacyClip)
-                                (release: PlainRelease | PrivateRelease)  (step: ModelStep)
 
 * **downlink** (:mod:`strategies.downlink`): each node's message, the run's config on first
   contact, a latent channel's history, bytes per node;
@@ -28,11 +26,8 @@ method may override: e.g. a server learning rate). A strategy that overrides :me
 non-linear (``linear = False``, set when the class is defined, unless it declares ``linear = True``)
 and is refused with either, here and when the config is composed (``fedapps.checks``).
 
-Subclasses change what a round sends (``train_config_for``, ``encode_downlink``), how a reply reads
-(``reply_record``, ``check_reply_records``, ``decode``, ``value_bounds``) or how replies combine
-(``after_mean``, or ``combine`` — returning :class:`~strategies.step.Combined` to hand state to
-:meth:`commit`); numpy only. Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (each stage
-adds its own state; a subclass with more server state extends both).
+What a method may override is :class:`~strategies.hooks.MethodHooks`; numpy only. Checkpoints:
+:meth:`state_dict` / :meth:`load_state_dict` (each stage adds its own state; a subclass extends both).
 """
 
 from __future__ import annotations
@@ -54,10 +49,9 @@ from strategies.downlink import Downlink
 from strategies.hooks import MethodHooks
 from strategies.ledger import RoundLedger, RoundRecord
 from strategies.privacy import Privacy
-from strategies.release import PlainRelease, PrivateRelease, sampling_minimum
+from strategies.release import PlainRelease, PrivateRelease, check_releasable, sampling_minimum
 from strategies.robust import Robustness
-from strategies.screening import (CONFIG_RECORD, NUM_EXAMPLES, ClientsFailed, Reply, aggregate_metrics,  # noqa: F401
-                                  check_metrics, example_count, positive_count, screen)
+from strategies.screening import NUM_EXAMPLES, Reply, aggregate_metrics, screen
 from strategies.secure_round import SecureSettings
 from strategies.secure_stages import SecureStages
 from strategies.server_opt import PREFIX as OPT_PREFIX, ServerOptimizer
@@ -100,16 +94,8 @@ class PayloadFedAvg(MethodHooks, FedAvg):
         self.robustness = robustness if robustness is not None else Robustness()
         self.secure, self.privacy = secure, privacy
         for what, settings in (("secure aggregation", secure), ("differential privacy", privacy)):
-            if settings is None:
-                continue
-            if not self.linear:
-                raise ValueError(f"{type(self).__name__} combines replies its own way (it overrides combine); "
-                                 f"{what} releases a mean of updates, so the two cannot be used together")
-            if self.robustness.aggregator != "mean":
-                raise ValueError(f"{what} releases a mean of updates: robust aggregator "
-                                 f"'{self.robustness.aggregator}' does not fit (use the mean)")
-            if uplink_format not in codec.FORMATS:
-                raise ValueError(f"{what} needs dense updates: uplink format '{uplink_format}' is not dense")
+            if settings is not None:
+                check_releasable(what, type(self), self.robustness.aggregator, uplink_format)
         self.server_opt = server_optimizer if server_optimizer is not None else ServerOptimizer()
         self.ledger = RoundLedger(on_round_end)
         self.sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)

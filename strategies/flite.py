@@ -21,7 +21,8 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from strategies import codec
-from strategies.base import NUM_EXAMPLES, PayloadFedAvg, positive_count
+from strategies.base import PayloadFedAvg
+from strategies.screening import NUM_EXAMPLES, positive_count
 from strategies.codec import PayloadError
 
 LATENT_KEY = "z"

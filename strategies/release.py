@@ -19,6 +19,8 @@ from logging import INFO, WARNING
 import numpy as np
 from flwr.common.logger import log
 
+from strategies import codec
+
 
 def sampling_minimum(num_clients: int, min_clients: int | None = None) -> int:
     """The fewest clients a round samples: ``min_clients``, or by default Flower's 2 (1 for a lone client)."""
@@ -29,6 +31,19 @@ def sample_size(num_clients: int, fraction: float, min_clients: int | None = Non
     """Clients a round samples, as Flower's FedAvg does: ``max(⌊N·fraction⌋, minimum)``, at most N."""
     return min(int(num_clients), max(int(int(num_clients) * float(fraction)),
                                      sampling_minimum(num_clients, min_clients)))
+
+
+def check_releasable(what: str, strategy: type, aggregator: str, uplink_format: str) -> None:
+    """ValueError unless ``what`` (secure aggregation, differential privacy), which releases a mean of dense
+    updates, can carry a strategy class with this robust aggregator and uplink format."""
+    if not strategy.linear:
+        raise ValueError(f"{strategy.__name__} combines replies its own way (it overrides combine); "
+                         f"{what} releases a mean of updates, so the two cannot be used together")
+    if aggregator != "mean":
+        raise ValueError(f"{what} releases a mean of updates: robust aggregator '{aggregator}' does not fit "
+                         "(use the mean)")
+    if uplink_format not in codec.FORMATS:
+        raise ValueError(f"{what} needs dense updates: uplink format '{uplink_format}' is not dense")
 
 
 class PlainRelease:

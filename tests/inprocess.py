@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from fedapps import client_app
 from fedapps.config import to_yaml
 from strategies import packing
-from strategies.base import CONFIG_RECORD
+from strategies.screening import CONFIG_RECORD
 
 
 def answer(msg: Message, ctx: Context) -> Message:

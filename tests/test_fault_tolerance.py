@@ -19,7 +19,8 @@ from fedapps.config import compose
 from fedapps.outputs import read_metrics
 from fedapps.runner import collect_replies
 from fedapps.session import ClientSetupError, node_view
-from strategies.base import CONFIG_RECORD, PayloadFedAvg
+from strategies.base import PayloadFedAvg
+from strategies.screening import CONFIG_RECORD
 
 STATE = {"a": np.ones((2, 3), np.float32), "b": np.zeros(4, np.float32)}
 

@@ -17,7 +17,7 @@ from fedapps.baselines import prepare
 from fedapps.config import compose, to_yaml
 from fedapps.outputs import mean_train_loss, read_metrics
 from strategies import codec
-from strategies.base import CONFIG_RECORD
+from strategies.screening import CONFIG_RECORD
 from strategies.fedssi import FedSSI
 
 torch.set_num_threads(1)

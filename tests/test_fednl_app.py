@@ -30,7 +30,7 @@ from fedapps.config import ConfigError, compose, to_yaml
 from fedapps.outputs import mean_train_loss, read_metrics
 from fedapps.session import session
 from strategies import codec
-from strategies.base import CONFIG_RECORD
+from strategies.screening import CONFIG_RECORD
 from strategies.fednl import FedNL, check_theta, gate_alpha
 
 torch.set_num_threads(1)

@@ -147,7 +147,7 @@ def test_the_worked_example_of_a_new_method_registers_trains_and_aggregates(monk
 
     from inprocess import answer
     from fedapps.config import to_yaml
-    from strategies.base import CONFIG_RECORD
+    from strategies.screening import CONFIG_RECORD
 
     blocks = _design_blocks()
     assert set(blocks) == {"strategies/signlora.py", "clients/signlora/__init__.py", "fedapps/signlora.py",

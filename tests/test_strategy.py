@@ -5,9 +5,10 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from strategies import codec
-from strategies.base import CONFIG_RECORD, PayloadFedAvg
-from strategies.robust import weighted_mean
+from strategies.base import PayloadFedAvg
 from strategies.baselines import FedProx, FFALoRA
+from strategies.robust import weighted_mean
+from strategies.screening import CONFIG_RECORD
 
 STATE = {"layer.lora_A": np.ones((4, 8), np.float32), "layer.lora_B": np.zeros((8, 4), np.float32)}
 
