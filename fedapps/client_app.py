@@ -7,8 +7,9 @@ sent, the session of this node (model built by the method's ``prepare``, task of
 partition), then the method's ``train`` or ``evaluate``; the reply carries the metrics
 with this node's ``partition-id`` and ``client-seconds`` (the whole message's work on the
 node, the session included: bench/overhead.py takes Flower's share of a round from it).
-Under secure aggregation or differential privacy a training reply's metrics are only
-``num-examples: 1`` (docs/privacy.md lists what a client still reveals).
+Under secure aggregation or differential privacy the ``private_reply`` mod (``fedapps.private_reply``) clips,
+noises or masks a training reply's update and leaves its metrics only ``num-examples: 1`` (docs/privacy.md
+lists what a client still reveals).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from flwr.common.constant import ErrorCode
 
 from clients.assets import force_offline
 from clients.train import progress_label
-from fedapps import privacy, registry, secure
+from fedapps import registry, secure
 from fedapps.errors import NODE_ERRORS
+from fedapps.private_reply import private_reply
 from fedapps.method import ClientCall
 from fedapps.session import client_config, reply, session
 from strategies import packing
@@ -59,7 +61,8 @@ def one_line_errors(msg: Message, context: Context, call_next) -> Message:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
 
-app = ClientApp(mods=[one_line_errors, transport_packing])
+# outermost first: a user's error in one line; packed arrays on the wire; a private run's reply made private
+app = ClientApp(mods=[one_line_errors, transport_packing, private_reply])
 
 
 def _call(msg: Message, context: Context):
@@ -78,18 +81,8 @@ def train(msg: Message, context: Context) -> Message:
     if update.content is not None:  # the method's own reply form (secure aggregation and DP are refused with it)
         return Message(content=update.content, reply_to=msg)
     update.metrics["partition-id"] = call.session.partition_id
-    arrays = update.arrays
-    dp = privacy.settings_of(call.cfg)
-    if dp is not None:  # clipped (and in local mode noised) before it leaves, masked or not
-        arrays = privacy.private_update(call, update, dp)
-    if secure.settings_of(call.cfg) is not None:
-        arrays = secure.masked_update(call, arrays)
     update.metrics["client-seconds"] = time.perf_counter() - start  # this message's whole work on the node
-    if dp is not None or secure.settings_of(call.cfg) is not None:
-        # a private run's reply says nothing of this node but its (clipped, noised or masked) update: no loss,
-        # norm, timing or partition id in clear, and one example (the server weighs private replies uniformly)
-        update.metrics = {"num-examples": 1}
-    out = reply(msg, update.metrics, arrays)
+    out = reply(msg, update.metrics, update.arrays)  # a private run's: made private by the private_reply mod
     for name, record in update.records.items():
         out.content[name] = record
     return out

@@ -9,8 +9,6 @@ result back in the method's own format (an absolute uplink: received + clipped u
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from flwr.app import ArrayRecord
 
@@ -19,8 +17,6 @@ from strategies.release import sample_size
 from strategies.uplink import uplink_of
 from strategies.privacy import Privacy, add_noise, clip_update
 
-if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's privacy from settings_of)
-    from fedapps.method import ClientCall, Update
 
 
 def settings_of(cfg) -> Privacy | None:
@@ -46,18 +42,18 @@ def sample_rate(cfg) -> float:
     return sample_size(int(clients), fraction, cfg.strategy.get("min_clients")) / int(clients)
 
 
-def private_update(call: ClientCall, update: Update, privacy: Privacy) -> ArrayRecord:
-    """The reply's arrays with the update clipped (and noised in local mode). Its norm before clipping
-    stays on the node (a private reply carries no metrics); a central-DP server records the norm it sees
-    as ``update_norm``."""
-    cfg = call.cfg
-    values = codec.decode(update.arrays)
+def private_update(cfg, received: ArrayRecord, arrays: ArrayRecord, privacy: Privacy, *, server_round: int,
+                   partition_id: int, seed: int) -> ArrayRecord:
+    """A training reply's ``arrays`` with the update clipped (and noised in local mode); ``received``: the
+    downlink it trained from. Its norm before clipping stays on the node (a private reply carries no
+    metrics); a central-DP server records the norm it sees as ``update_norm``."""
+    values = codec.decode(arrays)
     absolute = uplink_of(cfg.algorithm) != "delta"
-    received = codec.decode(call.arrays) if absolute else {}
+    received = codec.decode(received) if absolute else {}
     delta = {k: v.astype(np.float64) - received[k] for k, v in values.items()} if absolute else values
     clipped, norm = clip_update(delta, privacy.clip)
     if privacy.mode == "local":
-        clipped = add_noise(clipped, privacy.client_std, privacy.rng(call.server_round, call.session.partition_id))
+        clipped = add_noise(clipped, privacy.client_std, privacy.rng(server_round, partition_id))
     out = {k: (received[k] + v) if absolute else v for k, v in clipped.items()}
     fmt = str(cfg.algorithm.get("payload", "fp32"))
-    return codec.encode(out, fmt, rng=np.random.default_rng(call.seed) if fmt in codec.QUANTISED else None)
+    return codec.encode(out, fmt, rng=np.random.default_rng(seed) if fmt in codec.QUANTISED else None)

@@ -9,8 +9,6 @@ what it trained minus what it received.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from omegaconf import OmegaConf
@@ -22,8 +20,6 @@ from strategies.secure_client import (client_deliver, client_keys, client_mask, 
                                       client_unmask)
 from strategies.secure_round import DELIVER, KEYS, OPEN, RECORD, SHARES, UNMASK, SecureSettings
 
-if TYPE_CHECKING:  # annotations only (fedapps.method builds the strategy's settings from settings_of)
-    from fedapps.method import ClientCall
 
 
 def auto_clip(cfg) -> float:
@@ -75,18 +71,17 @@ def answer_stage(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def masked_update(call: ClientCall, arrays: ArrayRecord) -> ArrayRecord:
-    """The reply's ``arrays`` (the method's uplink), masked for this round (the training message
-    carried the round's keys and shares). The fraction of values clipped to ±clip stays on the node
-    (a private reply carries no metrics)."""
-    if RECORD not in call.msg.content.config_records:
+def masked_update(cfg, msg: Message, context: Context, arrays: ArrayRecord, seed: int) -> ArrayRecord:
+    """A training reply's ``arrays`` (the method's uplink), masked for this round (the training message
+    ``msg`` carried the round's keys and shares). The fraction of values clipped to ±clip stays on the
+    node (a private reply carries no metrics)."""
+    if RECORD not in msg.content.config_records:
         raise ClientSetupError("this run has secure aggregation on, but the training message carries no "
                                "secure-aggregation record")
-    settings = settings_of(call.cfg)
+    settings = settings_of(cfg)
     values = codec.decode(arrays)
-    if uplink_of(call.cfg.algorithm) != "delta":
-        received = codec.decode(call.arrays)
+    if uplink_of(cfg.algorithm) != "delta":
+        received = codec.decode(msg.content["arrays"])
         values = {k: v.astype(np.float64) - received[k] for k, v in values.items()}
-    arrays, _ = client_mask(int(call.context.node_id), call.msg, call.context.state, settings, values,
-                                  np.random.default_rng(call.seed))
+    arrays, _ = client_mask(int(context.node_id), msg, context.state, settings, values, np.random.default_rng(seed))
     return arrays
