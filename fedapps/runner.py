@@ -208,20 +208,6 @@ class _Rounds:
             wait_for_nodes(self.grid, needed, self.node_wait)
 
 
-def _secure_train(rounds: _Rounds, strategy, server_round: int, messages) -> None:
-    """A training round under secure aggregation (strategies.secure_round): keys, shares, the shares'
-    delivery (and, after a complaint, the accused dealers' opening), the masked training replies,
-    unmasking; each stage's replies make the next stage's messages."""
-    from strategies.secure_round import UNMASK
-
-    stages = strategy.secure_stages
-    messages = stages.begin(server_round, messages)
-    while messages and messages[0].metadata.message_type != UNMASK:  # keys, shares, deliver, [open], train
-        phase = messages[0].metadata.message_type
-        messages = stages.step(phase, server_round, rounds.send(server_round, phase, messages))
-    stages.finish(server_round, rounds.send(server_round, UNMASK, messages))
-
-
 def numpy_blas_single_thread():
     """A context in which numpy's (and scipy's) OpenBLAS computes on the calling thread only.
 
@@ -330,10 +316,8 @@ def _run_rounds(grid: Grid, cfg, plan, out, checkpoint) -> dict:
         log(INFO, "[ROUND %s/%s]", server_round, cfg.rounds)
         rounds.ensure_nodes()
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
-        if strategy.secure is None:
-            strategy.aggregate_train(server_round, rounds.send(server_round, "train", messages))
-        else:
-            _secure_train(rounds, strategy, server_round, messages)
+        # the strategy's exchange: one (train) or, under secure aggregation, its stages (strategies.exchange)
+        strategy.exchange.run(server_round, messages, rounds.send)
         rounds.ensure_nodes()
         messages = strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
         strategy.aggregate_evaluate(server_round, rounds.send(server_round, "evaluate", messages))

@@ -46,6 +46,7 @@ from strategies.bounds import PrivacyClip, RobustBound
 from strategies.channel import LatentChannel
 from strategies.codec import PayloadError
 from strategies.downlink import Downlink
+from strategies.exchange import PlainExchange
 from strategies.hooks import MethodHooks
 from strategies.ledger import RoundLedger, RoundRecord
 from strategies.privacy import Privacy
@@ -73,8 +74,7 @@ class PayloadFedAvg(MethodHooks, FedAvg):
                  robustness: Robustness | None = None, secure: SecureSettings | None = None,
                  privacy: Privacy | None = None, channel: LatentChannel | None = None,
                  server_optimizer: ServerOptimizer | None = None) -> None:
-        least = sampling_minimum(num_clients, min_clients)
-        # every registered client connected before a round samples (the runner waits for them too)
+        least = sampling_minimum(num_clients, min_clients)  # min_available_nodes: all registered, by default
         super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, min_train_nodes=least,
                          min_evaluate_nodes=least, min_available_nodes=num_clients if min_clients is None else least)
         up.check_settings(uplink=uplink, uplink_format=uplink_format, downlink_format=downlink_format,
@@ -100,12 +100,12 @@ class PayloadFedAvg(MethodHooks, FedAvg):
         self.ledger = RoundLedger(on_round_end)
         self.sent: dict[str, list[Message]] = {}  # this round's messages per phase (ids set when pushed)
         self.banned: dict[int, str] = {}  # node -> why: proven cheats, never sent another message of this run
-        # the stages
-        self.downlink = Downlink(self, latent=self.latent_downlink)
+        self.downlink = Downlink(self, latent=self.latent_downlink)  # the stages
         self.bound = PrivacyClip(privacy) if privacy is not None else RobustBound(self.robustness)
         self.release = PrivateRelease(privacy) if privacy is not None else PlainRelease()
         self.model_step = ModelStep(self.server_opt, channel, uplink_format)
         self.secure_stages = SecureStages(self, secure) if secure is not None else None
+        self.exchange = self.secure_stages or PlainExchange(self)  # what the runner drives each round
 
     # ------------------------------------------------------------------ the round ledger
     @property

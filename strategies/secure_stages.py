@@ -45,6 +45,17 @@ class SecureStages:
         return self.strategy.ledger
 
     # ------------------------------------------------------------------ the stages
+    def run(self, server_round: int, messages: list[Message], send) -> None:
+        """A training round under secure aggregation (the runner's exchange, ``strategies.exchange``): keys,
+        shares, the shares' delivery (and, after a complaint, the accused dealers' opening), the masked training
+        replies, unmasking; each stage's replies (``send(server_round, phase, messages)``) make the next stage's
+        messages."""
+        messages = self.begin(server_round, messages)
+        while messages and messages[0].metadata.message_type != UNMASK:  # keys, shares, deliver, [open], train
+            phase = messages[0].metadata.message_type
+            messages = self.step(phase, server_round, send(server_round, phase, messages))
+        self.finish(server_round, send(server_round, UNMASK, messages))
+
     def begin(self, server_round: int, train_messages: list[Message]) -> list[Message]:
         """The method's training messages -> the keys stage's messages (the run's config rides along)."""
         self.ledger.start(server_round)

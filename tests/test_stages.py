@@ -129,3 +129,17 @@ def test_the_downlink_encodes_once_per_state_and_sends_the_config_on_first_conta
     assert "postcard" in s.downlink.messages(template[:1], 3, "eval", ConfigRecord())[0].content.config_records
     s.commit(s.step(1, {"a": np.ones((2, 3)), "b": np.ones(4)}))
     assert s.downlink.arrays() is not first and isinstance(s.downlink.arrays(), ArrayRecord)
+
+
+def test_the_exchange_is_chosen_once_and_the_runner_drives_only_it():
+    """The runner branches on no mode: it hands the round to the strategy's exchange (one exchange, or secure
+    aggregation's stages)."""
+    from strategies.exchange import PlainExchange
+    from strategies.secure_round import SecureSettings
+    from strategies.secure_stages import SecureStages
+
+    assert isinstance(strategy().exchange, PlainExchange)
+    assert isinstance(strategy(uplink="delta", secure=SecureSettings(bits=16, clip=0.5)).exchange, SecureStages)
+    s, sent = strategy(uplink="delta"), []
+    s.exchange.run(1, [], lambda server_round, phase, messages: sent.append(phase) or [])
+    assert sent == ["train"] and s.round_record()["round"] == 1
