@@ -47,7 +47,7 @@ def _pretrain(cfg, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from clients.flite import orthogonal_head_
+    from clients.models.heads import orthogonal_head_
     from clients.models import vision_model
     from clients.models.weights import head_prefix
     from clients.tasks.image import ImageTask

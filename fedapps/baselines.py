@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only
 def prepare(cfg):
     """Backbone + what the algorithm trains; ``extra['names']`` = the federated tensors."""
     from clients.adapters import apply_lora, federated_names, federated_state
-    from clients.flite import frozen_head_
+    from clients.models.heads import frozen_head_
     from clients.models import build_model
 
     model, tokenizer = build_model(cfg)

@@ -127,7 +127,8 @@ def _check_budget(cfg) -> None:
 
 def prepare(cfg):
     """Backbone (+ frozen orthogonal head for vision, unless the checkpoint carried one) with FLITE injected; z = 0."""
-    from clients.flite import apply_flite, fingerprint, frozen_head_, num_latents
+    from clients.flite import apply_flite, fingerprint, num_latents
+    from clients.models.heads import frozen_head_
     from clients.models import build_model
 
     model, tokenizer = build_model(cfg)

@@ -39,12 +39,13 @@ from clients.flite import (
     layout,
     merge_and_unload,
     num_latents,
-    orthogonal_head_,
     plan,
     set_latents,
     split_budget,
     trainable_parameters,
 )
+
+from clients.models.heads import orthogonal_head_
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]

@@ -66,7 +66,7 @@ def test_without_a_public_split_the_clients_data_is_what_it_was():
 
 
 def test_theta_pre_is_built_once_reloaded_exactly_and_its_head_kept(dataset, cache):
-    from clients.flite import orthogonal_head_
+    from clients.models.heads import orthogonal_head_
     from clients.models import build_model
     from clients.pretrain import base_checkpoint, ensure_base, read_report
     from fedapps.baselines import prepare as lora_prepare

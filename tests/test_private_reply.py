@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedapps.config import compose, to_yaml
 from fedapps.private_reply import private_reply

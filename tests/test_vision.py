@@ -298,7 +298,7 @@ def test_fedavg_lora_on_mobilenet_adapts_every_pointwise_conv_under_a_frozen_ort
     head = model.get_base_model().head
     w = head.weight.detach().double()
     torch.testing.assert_close(w @ w.T, torch.eye(10, dtype=torch.float64), atol=1e-5, rtol=0)
-    from clients.flite import orthogonal_head_
+    from clients.models.heads import orthogonal_head_
 
     orthogonal_head_(base.head, seed=int(cfg.seed))  # LoRA's B starts at 0: the backbone's outputs
     x = torch.randn(2, 3, 64, 64)

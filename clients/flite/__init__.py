@@ -5,7 +5,7 @@ seed (regenerated on the CPU, never stored or sent), only the latents ``z`` trai
 travel, and because the map is linear, averaging latents is averaging weights.
 
 ``config.py`` (what), ``layer.py`` (the maths and the wrapper modules), ``model.py``
-(injection, latents, layout, fingerprint, frozen orthogonal head).
+(injection, latents, layout, fingerprint); the frozen orthogonal head is ``clients.models.heads``.
 """
 
 from clients.lazy import lazy_names
@@ -24,13 +24,11 @@ _WHERE = {
     "factor_checksum": "model",
     "fingerprint": "model",
     "flite_layers": "model",
-    "frozen_head_": "model",
     "get_latents": "model",
     "latents_by_layer": "model",
     "layout": "model",
     "merge_and_unload": "model",
     "num_latents": "model",
-    "orthogonal_head_": "model",
     "plan": "model",
     "set_latents": "model",
     "split_budget": "model",
@@ -52,7 +50,6 @@ __all__ = [
     "factor_checksum",
     "fingerprint",
     "flite_layers",
-    "frozen_head_",
     "generate_raw_factors",
     "get_latents",
     "latents_by_layer",
@@ -60,7 +57,6 @@ __all__ = [
     "layout",
     "merge_and_unload",
     "num_latents",
-    "orthogonal_head_",
     "plan",
     "set_latents",
     "split_budget",

@@ -78,7 +78,7 @@ class FliteConfig:
             when its name equals an entry or starts with ``entry + "."``). Missing names are
             ignored.
         freeze_head: ``True`` (FLITE's choice): the head gets no latents; combined with
-            :func:`clients.flite.orthogonal_head_` it is a frozen orthogonal classifier,
+            :func:`clients.models.heads.orthogonal_head_` it is a frozen orthogonal classifier,
             never trained nor sent. ``False``: head layers are ordinary targets.
 
     Scaling (see ``layer.py`` for the maths)

@@ -3,7 +3,7 @@
 Typical client use::
 
     model = build_backbone()                       # pretrained, e.g. MobileNetV2
-    orthogonal_head_(model.head, seed=cfg.seed)    # FLITE's frozen orthogonal classifier
+    frozen_head_(model, seed=cfg.seed)             # the frozen orthogonal classifier (clients.models.heads)
     apply_flite(model, cfg)                        # in place; only the latents train
     fp = fingerprint(cfg, model)                   # travels with every payload
     set_latents(model, z_global)                   # from the server (flat float32 vector)
@@ -413,43 +413,3 @@ def fingerprint(config: FliteConfig, model: nn.Module) -> str:
         record["checkpoint"] = model.checkpoint_digest
     blob = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------------------
-# Frozen orthogonal classifier
-# --------------------------------------------------------------------------------------
-
-
-def orthogonal_head_(linear: nn.Linear, seed: int = 0, gain: float = 1.0) -> nn.Linear:
-    """FLITE's frozen orthogonal classifier, in place: orthonormal rows (columns when
-    ``out_features > in_features``) times ``gain``, zero bias, ``requires_grad=False``.
-
-    Drawn with ``torch.nn.init.orthogonal_`` from its own seeded CPU generator (the global
-    RNG is neither used nor advanced), so every client builds the same head; it is never
-    trained nor sent. ``gain`` sets the logit scale the backbone has to work with.
-    """
-    if not isinstance(linear, nn.Linear):
-        raise ValueError(f"orthogonal_head_ expects an nn.Linear, got {type(linear).__name__}")
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(int(seed) % 2**64)
-    weight = torch.empty(linear.weight.shape, dtype=torch.float32)
-    torch.nn.init.orthogonal_(weight, gain=gain, generator=generator)
-    with torch.no_grad():
-        linear.weight.copy_(weight.to(linear.weight.device, linear.weight.dtype))
-        if linear.bias is not None:
-            linear.bias.zero_()
-    linear.weight.requires_grad_(False)
-    if linear.bias is not None:
-        linear.bias.requires_grad_(False)
-    return linear
-
-
-def frozen_head_(model: nn.Module, seed: int = 0, gain: float = 1.0) -> nn.Module:
-    """``model.head`` as FLITE's frozen classifier: the orthogonal draw of :func:`orthogonal_head_`,
-    unless the checkpoint the model came from carried its head (``model.head_loaded``, e.g.
-    θ_pre of ``base=public``, trained under that very head): then it is kept, only frozen."""
-    if getattr(model, "head_loaded", False):
-        model.head.requires_grad_(False)
-    else:
-        orthogonal_head_(model.head, seed=seed, gain=gain)
-    return model

@@ -146,7 +146,7 @@ def mobilenet_v2(num_classes: int = 1000, pretrained: bool = True, dropout: floa
 
     With ``num_classes != 1000`` the 1000-way ImageNet head is replaced by a new
     ``Linear(1280, num_classes)`` initialised like torchvision's (``default_head_``); call
-    ``clients.flite.orthogonal_head_(model.head)`` or any other init on it to choose differently.
+    ``clients.models.heads.orthogonal_head_(model.head)`` or any other init on it to choose differently.
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
