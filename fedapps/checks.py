@@ -222,9 +222,6 @@ def _dense_mean_only(cfg: DictConfig, method, what: str, why: str) -> None:
         raise ConfigError(f"{what} cannot carry algorithm '{method.name}': its strategy combines the clients' "
                           f"updates by a rule of its own (it overrides the combine hook), but {what} {why} and "
                           "works on the weighted mean of dense updates of one layout")
-    if cfg.algorithm.get("reply") == "compact":
-        raise ConfigError(f"{what} cannot carry FLITE's compact reply (z's bytes alone, no room for masks or "
-                          "noise bookkeeping): use algorithm.reply=full")
     payload = str(cfg.algorithm.get("payload", "fp32"))
     if payload in DENSE_ONLY:
         raise ConfigError(f"{what} cannot carry algorithm '{cfg.algorithm.name}' with payload "

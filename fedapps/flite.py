@@ -22,7 +22,7 @@ from fedapps.method import (ClientCall, ConfigError, FinalStateError, Method, Se
 from fedapps.resolved import to_yaml
 from fedapps.session import ClientSetupError, uplink_record
 from strategies import codec
-from strategies.flite import (FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, REPLY_FORMS, FliteStrategy,
+from strategies.flite import (FINGERPRINT_KEY, FINGERPRINT_RECORD, LATENT_KEY, FliteStrategy,
                               compact_content)
 
 
@@ -42,15 +42,18 @@ def flite_config(cfg, *, measure: bool = True) -> FliteConfig:
 def check(cfg) -> None:
     """FLITE's settings when the config is composed: ``algorithm.reply``, ``algorithm.flite`` as its
     clients will build it, and its latent budget against a causal LM's layers."""
-    _check_reply(cfg.algorithm)
+    _check_reply(cfg)
     _check_settings(cfg)
     _check_budget(cfg)
 
 
-def _check_reply(algorithm) -> None:
-    """``algorithm.reply``: full or compact."""
-    if "reply" in algorithm and algorithm.reply not in REPLY_FORMS:
-        raise ConfigError(f"algorithm.reply must be one of {list(REPLY_FORMS)}, got {algorithm.reply!r}")
+def _check_reply(cfg) -> None:
+    """``algorithm.reply``: full, or compact (not in a private run): the strategy's own rule."""
+    private = str(cfg.privacy.get("mode", "off")) != "off" or bool(cfg.secure_aggregation.get("enabled"))
+    try:
+        FliteStrategy.check_reply(str(cfg.algorithm.get("reply", "full")), private)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.{err}") from None
 
 
 def _check_settings(cfg) -> None:

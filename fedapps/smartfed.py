@@ -77,15 +77,13 @@ def check(cfg) -> None:
     except (TypeError, ValueError) as err:
         raise ConfigError(f"SmartFed's settings (algorithm.*): {err}") from None
     _check_router_rounds(cfg.algorithm)
-    aggregator = Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)).aggregator
-    if aggregator != "mean":
-        raise ConfigError(f"algorithm 'smartfed' combines sparse expert updates by the weighted mean only; "
-                          f"robust '{aggregator}' does not apply (use robust=default or robust=off)")
     block = cfg.strategy.get("server_optimizer")
-    optimizer = ServerOptimizer.from_mapping(None if block is None else OmegaConf.to_container(block, resolve=True))
-    if not optimizer.plain:
-        raise ConfigError(f"algorithm 'smartfed' applies its sparse expert updates as they are; "
-                          f"strategy.server_optimizer.name={optimizer.name!r} is not supported (use fedavg)")
+    try:
+        SmartFedStrategy.check_settings(
+            Robustness.from_mapping(OmegaConf.to_container(cfg.robust, resolve=True)),
+            ServerOptimizer.from_mapping(None if block is None else OmegaConf.to_container(block, resolve=True)))
+    except ValueError as err:
+        raise ConfigError(f"algorithm 'smartfed': {err}") from None
 
 
 def _check_router_rounds(algorithm) -> None:

@@ -46,17 +46,23 @@ class FliteStrategy(PayloadFedAvg):
     weighted mean update to its fp32 ``z``. ``uplink='absolute'``: clients send ``z`` and
     the server averages it. Both give the same global ``z`` in fp32."""
 
+    @staticmethod
+    def check_reply(reply: str, private: bool) -> None:
+        """FLITE's reply form (``algorithm.reply``) for a run that is ``private`` (secure aggregation or
+        differential privacy) or not; ValueError naming the fix. The config check and the strategy both ask here."""
+        if reply not in REPLY_FORMS:
+            raise ValueError(f"reply must be one of {list(REPLY_FORMS)}, got {reply!r}")
+        if reply == "compact" and private:
+            raise ValueError("reply=compact: a compact reply carries z's bytes alone (no room for masks or noise "
+                             "bookkeeping), not with secure aggregation or differential privacy; use reply=full")
+
     def __init__(self, *, fingerprint: str, uplink: str = "delta", reply: str = "full", **kwargs) -> None:
         if not fingerprint:
             raise ValueError("FLITE needs the fingerprint of its parametrisation")
-        if reply not in REPLY_FORMS:
-            raise ValueError(f"FLITE's reply form must be one of {list(REPLY_FORMS)}, got {reply!r}")
+        self.check_reply(reply, kwargs.get("secure") is not None or kwargs.get("privacy") is not None)
         super().__init__(uplink=uplink, **kwargs)
         if self.uplink_keys != [LATENT_KEY]:
             raise ValueError(f"FLITE federates one latent vector '{LATENT_KEY}', got keys {self.uplink_keys}")
-        if reply == "compact" and (self.secure is not None or self.privacy is not None):
-            raise ValueError("a compact FLITE reply carries z's bytes alone: not with secure aggregation or "
-                             "differential privacy (use algorithm.reply=full)")
         self.fingerprint = fingerprint
         self.reply = reply
 

@@ -51,6 +51,8 @@ from strategies.channel import LATENT_KEY, LatentChannel
 from strategies.codec import PayloadError
 from strategies.eeqa import EEQA, Allocation, select_active
 from strategies.expert_state import ExpertState, aggregate
+from strategies.robust import Robustness
+from strategies.server_opt import ServerOptimizer
 from strategies.step import Combined, Step
 
 BACKBONE_KEY = "backbone-fingerprint"  # ConfigRecord key: the pool's backbone fingerprint
@@ -107,14 +109,7 @@ class SmartFedStrategy(PayloadFedAvg):
             raise ValueError("EEQA was built for other matrices or expert counts than the expert layout")
         if eeqa.rounds:
             raise ValueError("pass a fresh EEQA (it is stepped by the strategy)")
-        if kwargs.get("robustness") is not None and kwargs["robustness"].aggregator != "mean":
-            raise ValueError(f"SmartFed's sparse expert updates are combined by the weighted mean only; "
-                             f"robust.aggregator={kwargs['robustness'].aggregator!r} is not supported (use the "
-                             "norm clip and example cap of robust=default)")
-        if kwargs.get("server_optimizer") is not None and not kwargs["server_optimizer"].plain:
-            raise ValueError(f"SmartFed applies its sparse expert updates as they are (the active experts change "
-                             f"every round); strategy.server_optimizer.name={kwargs['server_optimizer'].name!r} is "
-                             "not supported (use fedavg)")
+        self.check_settings(kwargs.get("robustness"), kwargs.get("server_optimizer"))
         initial = state.to_tensors()
         fields = ("router", "A", "B") if layout.train_experts else ("router",)
         keys = [f"{m}/{f}" for m in layout for f in fields]
@@ -137,6 +132,19 @@ class SmartFedStrategy(PayloadFedAvg):
             raise ValueError("router-only SmartFed trains only the routers: freezing them leaves nothing to train")
         self.router_rounds = None if router_rounds is None else int(router_rounds)
         self._latent: tuple[object, LatentChannel] | None = None
+
+    @staticmethod
+    def check_settings(robustness: Robustness | None, optimizer: ServerOptimizer | None) -> None:
+        """The robust aggregator and server optimiser SmartFed's sparse expert updates allow; ValueError naming the
+        fix. The config check (``fedapps.smartfed.check``) and the strategy both ask here."""
+        if robustness is not None and robustness.aggregator != "mean":
+            raise ValueError(f"SmartFed's sparse expert updates are combined by the weighted mean only; "
+                             f"robust.aggregator={robustness.aggregator!r} is not supported (use robust=default "
+                             "or robust=off)")
+        if optimizer is not None and not optimizer.plain:
+            raise ValueError(f"SmartFed applies its sparse expert updates as they are (the active experts change "
+                             f"every round); strategy.server_optimizer.name={optimizer.name!r} is not supported "
+                             "(use fedavg)")
 
     # ------------------------------------------------------------------ allocation
     def _first_allocation(self) -> Allocation:
