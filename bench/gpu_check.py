@@ -119,7 +119,7 @@ def method_model(method: str, cfg):
     model, tokenizer, _ = registry.get(method).prepare(cfg)
     if method == "smartfed":
         from clients.smartfed.more import MoREConfig, apply_more
-        from clients.smartfed.pool import ExpertSet
+        from clients.pool import ExpertSet
 
         rng = np.random.default_rng(0)
         experts = {}

@@ -71,7 +71,7 @@ def first_round_reaching(values: dict[str, float], goal: float, higher: bool) ->
 
 def check_unseen(pool_path: Path, target_cfg) -> list[str]:
     """Refuse a benchmark whose target data is in the pool; return what the pool holds."""
-    from clients.smartfed.pool import Pool
+    from clients.pool import Pool
 
     pool = Pool(pool_path)
     held = []

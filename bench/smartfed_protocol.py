@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 # numpy's OpenBLAS single-threaded (set before numpy loads): on 2026-12-06 a run's server thread spun for 11 min in
-# OpenBLAS's exec_blas (the pool warm start's B @ A, clients/smartfed/pool.py) with no BLAS worker thread left;
+# OpenBLAS's exec_blas (the pool warm start's B @ A, clients/pool.py) with no BLAS worker thread left;
 # the server's numpy work is small and the clients train with torch: one BLAS thread is enough. Since then every
 # server does this itself (fedapps.runner.numpy_blas_single_thread); kept here because the protocol's runs were
 # made with it, the clients' processes (which inherit it) included
@@ -137,7 +137,7 @@ def parse_args(argv=None):
 
 def setup(args) -> tuple[list[str], Path, list[str]]:
     """The pool (built once; the target's data checked absent) and every run's common overrides."""
-    from clients.smartfed.pool import Pool
+    from clients.pool import Pool
     from fedapps.config import compose
     from postcard import pool as pool_cli
 

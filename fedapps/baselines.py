@@ -58,12 +58,12 @@ def pool_deltas(cfg, model) -> dict[str, np.ndarray]:
     its best rank-r fit (``clients.adapters.warm_start_lora``), so FedAvg-LoRA reuses the same knowledge
     at its own bytes. ``model``: the backbone before LoRA (its fingerprint must be the pool's)."""
     from clients.adapters import AdapterError
-    from clients.smartfed.pool import backbone_fingerprint
-    from fedapps.smartfed import SmartFedError, open_pool
+    from clients.pool import PoolError, backbone_fingerprint
+    from fedapps.pool import open_pool
 
     try:
         _, _, experts = open_pool(cfg, backbone_fingerprint(model))
-    except SmartFedError as err:
+    except PoolError as err:
         raise AdapterError(f"algorithm.lora.init=pool: {err}") from None
     return {module: es.delta_weight() / len({es.source(i)[0] for i in range(len(es))})
             for module, es in experts.items()}

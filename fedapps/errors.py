@@ -9,7 +9,7 @@ from clients.assets import AssetMissing, ConversionError
 from clients.models.llm import ModelError
 from clients.models.weights import CheckpointError
 from clients.partition import PartitionError
-from clients.smartfed.pool import PoolError
+from clients.pool import PoolError
 from clients.tasks.base import TaskError
 from fedapps.channel import ChannelError
 from fedapps.method import ConfigError

@@ -3,7 +3,7 @@
 **Server.** :func:`plan_server` opens the LoRA knowledge pool (``algorithm.pool``, default
 ``$POSTCARD_CACHE/pool/<model name>``, filled by ``postcard pool build``), checks that it
 was built for this run's backbone, splits the chosen adapters into rank-1 experts
-(``clients.smartfed.pool``), and builds :class:`strategies.smartfed.SmartFedStrategy`
+(``clients.pool``), and builds :class:`strategies.smartfed.SmartFedStrategy`
 with the global :class:`~strategies.ExpertState` and an
 :class:`~strategies.eeqa.EEQA` allocator for the global budget of active experts.
 
@@ -33,11 +33,11 @@ from flwr.common.logger import log
 from safetensors.numpy import load_file, save_file
 
 from clients.smartfed.config import MoREConfig
-from clients.smartfed.pool import (POOL_FILE, ExpertSet, Pool, PoolError, backbone_descriptor, backbone_fingerprint,
-                                   default_pool_dir)
+from clients.pool import PoolError, backbone_fingerprint
 from fedapps.channel import channel_factory
 from fedapps.method import (ClientCall, ConfigError, Method, ServerPlan, Update, final_file, learning_rates,
                             strategy_settings)
+from fedapps.pool import open_pool, require_pool
 from fedapps.session import ClientSetupError
 from strategies import codec, sparse
 from strategies.eeqa import EEQA
@@ -181,102 +181,13 @@ def evaluate(call: ClientCall) -> dict:
 
 
 # ---------------------------------------------------------------------------- server
-def pool_dir(cfg) -> Path:
-    """The run's knowledge pool folder: ``algorithm.pool`` or the model's default pool."""
-    path = cfg.algorithm.get("pool")
-    return Path(str(path)).expanduser().resolve() if path else default_pool_dir(str(cfg.model.name))
-
-
-def model_overrides(cfg) -> str:
-    """The overrides that name this run's backbone again (``postcard pool build ...``): its config group,
-    the checkpoint or GGUF file, a random init's seed."""
-    model = cfg.model
-    parts = [f"model={model.get('group') or model.name}"]
-    for key in ("path", "gguf"):
-        if model.get(key):
-            parts.append(f"model.{key}={model.get(key)}")
-    if model.get("random_init"):
-        parts.append(f"seed={cfg.seed}")
-    return " ".join(parts)
-
-
-def require_pool(cfg) -> tuple[Pool, list[str], str]:
-    """The run's knowledge pool (:func:`pool_dir`), opened, the names of the adapters the run takes from it, and
-    the command that builds it; SmartFedError in one line naming the fix (``postcard pool build``, ``postcard
-    pool add``, ``algorithm.pool``) when the folder is no pool, holds no adapter or lacks one that
-    ``algorithm.adapters`` names. Reads ``pool.json`` and the adapters' folder names only (no weights, no model):
-    checked before a run is submitted (:func:`ready`, ``fedapps.config.finalize``) and again by the server
-    (:func:`open_pool`), whose machine may be another."""
-    path = pool_dir(cfg)
-    build = "postcard pool build" + (f" --pool {path}" if cfg.algorithm.get("pool") else "")
-    build += f" {model_overrides(cfg)}"
-    add = "postcard pool add RUN_DIR" + (f" --pool {path}" if cfg.algorithm.get("pool") else "")
-    if not (path / POOL_FILE).is_file():
-        raise SmartFedError(
-            f"no knowledge pool at {path}: fill it first with `{build}` (or `{add}` for a LoRA run of this model), "
-            "or point algorithm.pool=DIR at an existing pool"
-        )
-    try:
-        pool = Pool(path)
-    except PoolError as err:
-        raise SmartFedError(str(err)) from None
-    except (OSError, ValueError) as err:  # pool.json unreadable: not JSON, not a file we may read
-        raise SmartFedError(f"{path / POOL_FILE} does not read ({str(err).splitlines()[0]}): rebuild the pool with "
-                            f"`{build}`, or point algorithm.pool=DIR at another pool") from None
-    names = pool.names()
-    if not names:
-        raise SmartFedError(f"the knowledge pool {path} holds no adapter: fill it with `{build}` or `{add}`")
-    wanted = cfg.algorithm.get("adapters")
-    if wanted:
-        missing = sorted(set(map(str, wanted)) - set(names))
-        if missing:
-            raise SmartFedError(f"algorithm.adapters names {missing}, which the pool {path} lacks (it has {names})")
-        names = sorted(set(map(str, wanted)))
-    return pool, names, build
-
-
 def ready(cfg) -> None:
     """What a SmartFed run needs besides its settings, before it is submitted: its knowledge pool
     (:func:`require_pool`: refused in one line at once, not by the server after the run has started)."""
     try:
         require_pool(cfg)
-    except SmartFedError as err:
+    except PoolError as err:
         raise ConfigError(str(err)) from None
-
-
-def open_pool(cfg, fingerprint: str) -> tuple[Pool, list[str], dict[str, ExpertSet]]:
-    """(pool, adapter names used, experts per target matrix) for this run, or a clear error."""
-    pool, names, build = require_pool(cfg)  # as checked before submitting (ready), again on the server's machine
-    path = pool.path
-    if pool.fingerprint != fingerprint:
-        fresh = path.parent / f"{path.name}-{fingerprint[:8]}"  # beside this pool, named by the backbone
-        raise SmartFedError(
-            f"the knowledge pool {path} was built for backbone {pool.fingerprint} "
-            f"({pool.signature['model_type']}, hidden {pool.signature['hidden_size']}, "
-            f"{pool.signature['num_hidden_layers']} layers), but model '{cfg.model.name}' has fingerprint "
-            f"{fingerprint}: point algorithm.pool=DIR at a pool built for this model, or build one with "
-            f"`postcard pool build --pool {fresh} {model_overrides(cfg)}` and run with algorithm.pool={fresh}"
-        )
-    ours = backbone_descriptor(cfg)
-    for name in names:
-        theirs = pool.provenance(name).get("backbone")
-        if theirs and theirs != ours:
-            message = (
-                f"pooled adapter '{name}' was trained on {theirs}, this run's backbone is {ours} "
-                "(same shapes, so the fingerprint agrees, but the weights may differ)"
-            )
-            if cfg.model.get("random_init"):
-                raise SmartFedError(message + f"; a random-init model differs per seed: rebuild the pool with `{build}`")
-            log(logging.WARNING, "SmartFed: %s", message)
-    targets = pool.targets(names)
-    kinds = cfg.algorithm.get("targets")
-    if kinds:
-        kinds = {str(k) for k in kinds}
-        targets = [m for m in targets if m.rsplit(".", 1)[-1] in kinds]
-        if not targets:
-            available = sorted({m.rsplit(".", 1)[-1] for m in pool.targets(names)})
-            raise SmartFedError(f"algorithm.targets {sorted(kinds)} match no pooled matrix; the pool targets {available}")
-    return pool, names, pool.load_experts(fingerprint, targets, adapters=names)
 
 
 def budget_of(cfg, num_matrices: int) -> int:
@@ -389,9 +300,7 @@ __all__ = [
     "SmartFedError",
     "load_run_mixture",
     "more_config",
-    "open_pool",
     "plan_server",
     "prepare",
     "ready",
-    "require_pool",
 ]

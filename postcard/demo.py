@@ -88,7 +88,7 @@ def ensure_pool(args, demo_folder: Path) -> None:
     from postcard import pool as pool_cli
 
     folder = args.pool.resolve() if args.pool else pool_cli.default_pool_dir(args.model)
-    from clients.smartfed.pool import POOL_FILE, Pool
+    from clients.pool import POOL_FILE, Pool
 
     have = set(Pool(folder).names()) if (folder / POOL_FILE).is_file() else set()
     missing = [s for s in POOL_SOURCES.split(",") if s not in have]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from clients.smartfed.pool import backbone_descriptor, default_pool_dir
+from clients.pool import backbone_descriptor, default_pool_dir
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "conf" / "pool"
 
@@ -78,7 +78,7 @@ def _provenance(cfg, run_dir: Path, summary: dict | None, **extra) -> dict:
 def _open_or_create(path: Path, cfg):
     """The pool at ``path``; created for ``cfg``'s backbone when absent (needs the model)."""
     from clients.models.llm import load_causal_lm
-    from clients.smartfed.pool import POOL_FILE, Pool, backbone_fingerprint
+    from clients.pool import POOL_FILE, Pool, backbone_fingerprint
 
     model, _ = load_causal_lm(cfg.model, seed=int(cfg.seed))
     if not (path / POOL_FILE).is_file():
@@ -201,7 +201,7 @@ def build(
     spec: str | Path = "default",
 ) -> list[str]:
     """Run each source's federated LoRA fine-tuning and add its adapter; returns the names added."""
-    from clients.smartfed.pool import PoolError
+    from clients.pool import PoolError
     from fedapps.simulation import simulate
 
     data = load_spec(spec)
@@ -261,7 +261,7 @@ def add(run_dir: str | Path, pool: str | Path | None = None, name: str | None = 
 def list_pool(pool: str | Path | None = None, as_json: bool = False) -> str:
     """A table (or JSON lines) of the pool's adapters; every default pool when none is given."""
     from clients.assets import cache_dir
-    from clients.smartfed.pool import POOL_FILE, Pool
+    from clients.pool import POOL_FILE, Pool
 
     if pool:
         paths = [Path(pool).expanduser().resolve()]
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p_list.add_argument("--json", action="store_true", help="one JSON provenance record per line")
     args = parser.parse_args(argv)
 
-    from clients.smartfed.pool import PoolError
+    from clients.pool import PoolError
     from fedapps.config import ConfigError
 
     try:

@@ -2,7 +2,7 @@
 
 Server and clients share an :class:`ExpertLayout`: for every target matrix (e.g.
 ``model.layers.0.self_attn.q_proj``) its input/output sizes and the ordered ids of its
-rank-1 experts (``"adapter:i"``, see ``clients.smartfed.pool``). On the wire an expert is
+rank-1 experts (``"adapter:i"``, see ``clients.pool``). On the wire an expert is
 named by its *index* in that order.
 
 Per expert the trainable tensors are its down-projection row ``A_i ∈ R^{d_in}``, its

@@ -65,7 +65,7 @@ def test_the_demo_builds_the_pool_sources_it_lacks_first(tmp_path, monkeypatch, 
     """SmartFed's pool: the demo sources missing from it are built with `postcard pool build` (the model's,
     the demo's short LoRA runs, beside the demo's runs); none when both are pooled; a failed build stops
     the demo. (The build itself, two federated LoRA runs, is conftest.tiny_llama_pool's.)"""
-    from clients.smartfed import pool as pool_mod
+    from clients import pool as pool_mod
     from postcard import demo
     from postcard import pool as pool_cli
 

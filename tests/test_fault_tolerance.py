@@ -279,7 +279,7 @@ def test_the_server_runs_numpy_blas_on_one_thread_and_gives_the_pool_back(tmp_pa
 
 def test_a_failed_run_is_marked_failed_and_one_that_cannot_start_leaves_no_folder(tmp_path):
     from fedapps.runner import run_server
-    from fedapps.smartfed import SmartFedError
+    from clients.pool import PoolError
 
     class BrokenGrid(FakeGrid):
         def push_messages(self, messages):
@@ -295,7 +295,7 @@ def test_a_failed_run_is_marked_failed_and_one_that_cannot_start_leaves_no_folde
 
     nowhere = compose([f"output_dir={tmp_path / 'smartfed'}", "num_clients=3", f"algorithm.pool={tmp_path / 'none'}"],
                       algorithm="smartfed", preset="test")
-    with pytest.raises(SmartFedError, match="no knowledge pool"):
+    with pytest.raises(PoolError, match="no knowledge pool"):
         run_server(FakeGrid(None), nowhere)
     assert not (tmp_path / "smartfed").exists()
 

@@ -21,7 +21,7 @@ from clients.smartfed.more import (
     more_modules,
     split_adapter,
 )
-from clients.smartfed.pool import backbone_fingerprint
+from clients.pool import backbone_fingerprint
 from strategies import sparse
 from strategies.expert_state import ExpertState, aggregate
 

@@ -41,9 +41,9 @@ def gemma(*overrides, **groups):
 
 # --------------------------------------------------------------------------- the run's label
 def test_a_checkpoint_names_the_run_not_its_config_group(gemma_dir):
-    from clients.smartfed.pool import backbone_descriptor, default_pool_dir
+    from clients.pool import backbone_descriptor, default_pool_dir
     from fedapps.outputs import run_name, run_title, summarize
-    from fedapps.smartfed import pool_dir
+    from fedapps.pool import pool_dir
 
     for group in ("hf", "smollm2"):  # model=smollm2 model.path=<other> used to label everything "smollm2"
         cfg = compose([f"model.path={gemma_dir}"], model=group, preset="test", algorithm="smartfed")
@@ -292,12 +292,13 @@ def test_a_pool_of_another_backbone_is_refused_naming_the_fix(gemma_dir, tmp_pat
     from inprocess import fake_pool
 
     from clients.models.llm import load_causal_lm
-    from fedapps.smartfed import SmartFedError, plan_server
+    from clients.pool import PoolError
+    from fedapps.smartfed import plan_server
 
     llama = compose(preset="test")
     pool = fake_pool(tmp_path, load_causal_lm(llama.model, seed=int(llama.seed))[0])  # built for the tiny Llama
     cfg = gemma(f"algorithm.pool={pool}", algorithm="smartfed", path=gemma_dir)
-    with pytest.raises(SmartFedError) as err:
+    with pytest.raises(PoolError) as err:
         plan_server(cfg, on_round_end=None, config_yaml="")
     message = str(err.value)
     assert "was built for backbone" in message and "model 'tiny-gemma3' has fingerprint" in message
@@ -305,7 +306,7 @@ def test_a_pool_of_another_backbone_is_refused_naming_the_fix(gemma_dir, tmp_pat
     assert f"`postcard pool build --pool {pool}-" in message and f"model=hf model.path={gemma_dir}`" in message
     assert f"run with algorithm.pool={pool}-" in message and "\n" not in message
     # no pool yet: the build command names the checkpoint, not the config group alone
-    with pytest.raises(SmartFedError, match=f"postcard pool build --pool {tmp_path / 'none'} model=hf "
+    with pytest.raises(PoolError, match=f"postcard pool build --pool {tmp_path / 'none'} model=hf "
                                             f"model.path={gemma_dir}"):
         plan_server(gemma(f"algorithm.pool={tmp_path / 'none'}", algorithm="smartfed", path=gemma_dir),
                     on_round_end=None, config_yaml="")

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from clients.smartfed.pool import (
+from clients.pool import (
     ExpertSet,
     Pool,
     PoolError,

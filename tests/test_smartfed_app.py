@@ -16,7 +16,7 @@ import torch
 from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from clients.smartfed.more import MoREConfig, active_state, importance_state, more_modules
-from clients.smartfed.pool import Pool
+from clients.pool import Pool
 from postcard import pool as pool_cli
 from fedapps.config import compose
 from fedapps.outputs import mean_train_loss, read_metrics
@@ -246,13 +246,14 @@ def test_client_mixture_holds_only_the_downlink_experts_and_replies_in_layout_id
 
 
 def test_missing_or_empty_pool_names_the_build_command(tiny, tmp_path):
-    from fedapps.smartfed import SmartFedError, plan_server
+    from clients.pool import PoolError
+    from fedapps.smartfed import plan_server
 
     cfg, model, _ = tiny
     for overrides in ([f"algorithm.pool={tmp_path / 'nowhere'}"], [f"algorithm.pool={tmp_path / 'empty'}"]):
         if "empty" in overrides[0]:
             Pool(tmp_path / "empty", backbone=model)
-        with pytest.raises(SmartFedError, match="postcard pool build"):
+        with pytest.raises(PoolError, match="postcard pool build"):
             plan_server(compose(overrides, algorithm="smartfed", preset="test"), on_round_end=None, config_yaml="")
 
 
@@ -263,8 +264,9 @@ def test_a_run_without_its_pool_is_refused_before_it_is_submitted(tiny, tmp_path
     refused, and a wrong setting is named before the pool."""
     from inprocess import fake_pool
 
+    from clients.pool import PoolError
     from fedapps.config import ConfigError, finalize
-    from fedapps.smartfed import SmartFedError, plan_server
+    from fedapps.smartfed import plan_server
     from postcard import app_run
 
     cfg, model, _ = tiny
@@ -276,7 +278,7 @@ def test_a_run_without_its_pool_is_refused_before_it_is_submitted(tiny, tmp_path
     assert message == (f"no knowledge pool at {nowhere}: fill it first with `postcard pool build --pool {nowhere} "
                        f"model=tiny-llama seed=42` (or `postcard pool add RUN_DIR --pool {nowhere}` for a LoRA run of "
                        "this model), or point algorithm.pool=DIR at an existing pool")
-    with pytest.raises(SmartFedError) as server:  # the server's own check: the same function, the same line
+    with pytest.raises(PoolError) as server:  # the server's own check: the same function, the same line
         plan_server(composed, on_round_end=None, config_yaml="")
     assert str(server.value) == message
     runs = tmp_path / "runs"

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from clients.adapters import AdapterError, best_rank_fit
-from clients.smartfed.pool import Pool
+from clients.pool import Pool
 from fedapps.config import ConfigError, compose
 
 
@@ -43,7 +43,7 @@ def pool_for(cfg, folder):
 
 
 def test_fedavg_lora_starts_from_the_pools_mean_update_at_its_own_rank(tmp_path):
-    from clients.smartfed.pool import backbone_fingerprint
+    from clients.pool import backbone_fingerprint
     from fedapps.baselines import prepare
 
     cfg = compose([f"algorithm.pool={tmp_path / 'pool'}", "algorithm.lora.init=pool"], preset="test",

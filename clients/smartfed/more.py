@@ -1,7 +1,7 @@
 r"""MoRE — Mixture of Rank-wise Experts (SmartFed), injected into a HF causal LM.
 
 Every pooled LoRA ``ΔW = s·B A`` splits into rank-1 experts
-``E_i(x) = B_i (A_i x)`` (scale folded into ``B``; :mod:`clients.smartfed.pool`). A
+``E_i(x) = B_i (A_i x)`` (scale folded into ``B``; :mod:`clients.pool`). A
 :class:`MoRELinear` replaces a target ``nn.Linear`` ``W`` by
 
 .. math::  y = W x + \sum_{i \in \mathrm{TopK}(x)} g_i(x)\, B_i (A_i x),
@@ -63,7 +63,7 @@ from torch import nn
 
 # the layer's settings: torch-free, checked when a config is composed (re-exported)
 from clients.smartfed.config import GATE_MODES, IMPORTANCE_MODES, MODES, MoREConfig  # noqa: F401
-from clients.smartfed.pool import ExpertSet, split_adapter, split_lora
+from clients.pool import ExpertSet, split_adapter, split_lora
 from strategies.sparse import ExpertLayout, MatrixLayout, group, importance_report, init_router
 
 __all__ = [
