@@ -1,4 +1,5 @@
-"""The LoRA knowledge pool (SmartFed mixes its adapters; the LoRA baselines can start from it) and the split of a LoRA into rank-1 experts.
+"""The LoRA knowledge pool (SmartFed mixes its adapters; the LoRA baselines can start from it) and the split
+of a LoRA into rank-1 experts.
 
 A *knowledge pool* keeps the LoRA adapters of earlier fine-tuning runs instead of
 discarding them. On disk it is one folder::
