@@ -53,12 +53,13 @@ def test_a_non_finite_no_training_difference_is_refused():
 
 def test_flite_and_smartfed_reports_use_the_same_rule():
     import flite
+    import flite_report
 
-    assert flite.verdict(-0.4, (-0.4, -0.9, +0.1)) == "met"
-    assert flite.verdict(-3.5, (-3.5, -3.9, -3.1)) == "not met"
-    assert flite.verdict(+0.5, (+0.5, -1.5, +2.5)).startswith("not shown")
-    assert flite.verdict(+2.3, (+2.3, -0.9, +5.5), -1.0, no_training=+2.7).startswith("uninformative: θ_pre")
-    assert flite.verdict(-0.3, (-0.3, -0.6, -0.1), -1.0, no_training=-1.7) == "met"
+    assert flite_report.verdict(-0.4, (-0.4, -0.9, +0.1)) == "met"
+    assert flite_report.verdict(-3.5, (-3.5, -3.9, -3.1)) == "not met"
+    assert flite_report.verdict(+0.5, (+0.5, -1.5, +2.5)).startswith("not shown")
+    assert flite_report.verdict(+2.3, (+2.3, -0.9, +5.5), -1.0, no_training=+2.7).startswith("uninformative: θ_pre")
+    assert flite_report.verdict(-0.3, (-0.3, -0.6, -0.1), -1.0, no_training=-1.7) == "met"
     source = (Path(flite.__file__).parent / "smartfed.py").read_text()
     assert "protocol.verdict(" in source
 
@@ -191,6 +192,7 @@ def draft_args(partitions=("iid", "dirichlet")):
 
     import flite
 
+
     return argparse.Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0, partitions=list(partitions),
                               methods=list(flite.METHODS))
 
@@ -214,6 +216,8 @@ def test_tuning_drafts_a_protocol_that_the_check_passes_only_when_every_grid_bra
 
     import flite
 
+    import flite_report
+
     args = argparse.Namespace(evaluation_seeds=[0, 1, 2], margin=-1.0, partitions=["iid", "dirichlet"],
                               methods=list(flite.METHODS))
     inside = fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
@@ -227,7 +231,7 @@ def test_tuning_drafts_a_protocol_that_the_check_passes_only_when_every_grid_bra
                         ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}})
     with pytest.raises(ProtocolError, match="'iid/flite-int4': its best train.lr = 0.001 sits at the edge"):
         check(flite.draft_protocol(edge, args))
-    text = flite.tuning_report(inside, draft, None, "bench/flite.py --tune ...")
+    text = flite_report.tuning_report(inside, draft, None, "bench/flite.py --tune ...")
     assert "lr 0.003 → **0.8700**" in text and "passes" in text and "round 0) on the same validation items: iid 0.8000" in text
 
 
@@ -264,6 +268,7 @@ def test_flite_evaluation_refuses_a_protocol_that_is_not_committed_or_fails_the_
 
 def test_a_report_under_a_protocol_names_its_commit_and_carries_the_no_training_arm():
     import flite
+    import flite_report
 
     spec = flite.draft_protocol(fake_tuning({("iid", "flite-int4"): {1e-3: 0.85, 3e-3: 0.87, 1e-2: 0.84},
                                              ("iid", "fedavg-full"): {3e-5: 0.86, 1e-4: 0.88, 3e-4: 0.80}}),
@@ -279,7 +284,7 @@ def test_a_report_under_a_protocol_names_its_commit_and_carries_the_no_training_
                                           "clients": 4, "rounds": 8, "steps": 20, "batch_size": 32,
                                           "task": "fmnist", "base": "public"},
                "protocol": {"file": "docs/x/protocol.json", "commit": "c0ffee" * 6 + "abcd", **spec}}
-    text = flite.report(results, "bench/flite.py --protocol docs/x/protocol.json", "here")
+    text = flite_report.report(results, "bench/flite.py --protocol docs/x/protocol.json", "here")
     assert "committed at c0ffeec0ffee" in text and "| θ_pre (no training: round 0) |" in text
     assert "gain over θ_pre (no training)" in text and "flite-int4 +7.0 pp" in text
     assert "flite-int4 is -0.3 pp from fedavg-full" in text
