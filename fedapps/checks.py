@@ -16,6 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedapps.checks_data import (check_base, check_eval_split, check_model_path, check_partition,
                                  check_passkey_task, check_text_task, label_model)
 from fedapps.method import ConfigError
+from fedapps.resolved import client_count
+from strategies.release import Sampling
 from strategies.uplink import uplink_of
 
 
@@ -38,7 +40,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key, kind, low in _NUMERIC:
         value = OmegaConf.select(cfg, key)
         if value is None and key == "num_clients":
-            continue  # resolved at run start: the task's default_clients (fedapps.runner.client_count)
+            continue  # resolved at run start: the task's default_clients (fedapps.resolved.client_count)
         try:
             number = kind(value)
             if isinstance(value, bool) or (kind is int and float(value) != number):
@@ -50,20 +52,11 @@ def _check_numbers(cfg: DictConfig) -> None:
 
 
 def _check_sampling(cfg: DictConfig) -> None:
-    """``strategy.fraction_train`` in (0, 1], ``fraction_evaluate`` in [0, 1] (0: no federated evaluation);
-    ``strategy.min_clients`` null or 1..num_clients."""
-    for key, low in (("fraction_train", "("), ("fraction_evaluate", "[")):  # evaluation 0: none (Flower's rule)
-        value = cfg.strategy.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1 or
-                                                                                   (low == "[" and value == 0)):
-            raise ConfigError(f"strategy.{key} must be a number in {low}0, 1] (the share of clients a round samples), "
-                              f"got {value!r}")
-    least, clients = cfg.strategy.get("min_clients"), cfg.get("num_clients") or cfg.task.get("default_clients")
-    if least is None:
-        return
-    if isinstance(least, bool) or not isinstance(least, int) or least < 1 or (clients and least > int(clients)):
-        raise ConfigError(f"strategy.min_clients must be null or an integer in 1..num_clients ({clients}), "
-                          f"got {least!r}")
+    """The ``strategy`` group's sampling builds (:class:`strategies.release.Sampling`: the strategy builds the same)."""
+    try:
+        Sampling.from_mapping(cfg.strategy, client_count(cfg))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_learning_rates(algorithm) -> None:

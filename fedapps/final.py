@@ -46,7 +46,7 @@ class FinalModel:
     def _client_tasks(self):
         """(partition id, number of clients, task) for each client's held-out split, as in the run."""
         from clients.tasks import make_task
-        from fedapps.runner import client_count
+        from fedapps.resolved import client_count
 
         n = client_count(self.cfg)
         for pid in range(n):
@@ -83,7 +83,7 @@ class FinalModel:
         import numpy as np
         from omegaconf import OmegaConf
 
-        from fedapps.runner import client_count
+        from fedapps.resolved import client_count
 
         n = client_count(self.cfg)
         settings = {k: OmegaConf.to_container(self.cfg[k], resolve=True) for k in ("task", "eval", "partition")}

@@ -13,7 +13,8 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from strategies import codec
-from strategies.release import sample_size
+from fedapps.resolved import client_count
+from strategies.release import Sampling
 from strategies.uplink import uplink_of
 from strategies.privacy import Privacy, add_noise, clip_update
 
@@ -31,15 +32,13 @@ def sample_rate(cfg) -> float:
     """The accountant's sampling rate q. With privacy on and ``fraction_train`` below 1, rounds sample
     Poisson at q = ``fraction_train`` (``Privacy.sample``: each node on its own, as dp-accounting's
     PoissonSampledDpEvent assumes); otherwise the fraction a round trains as Flower samples it,
-    ``strategies.release.sample_size`` (``max(⌊N·fraction_train⌋, min_clients or 2)``) / N."""
+    ``strategies.release.Sampling.train_size`` (``max(⌊N·fraction_train⌋, min_clients or 2)``) / N."""
     fraction = float(cfg.strategy.fraction_train)
     block = cfg.get("privacy")
     if block and block.get("mode") not in (None, "off", False) and fraction < 1.0:
         return fraction
-    clients = cfg.get("num_clients") or cfg.task.get("default_clients")
-    if not clients:
-        return fraction
-    return sample_size(int(clients), fraction, cfg.strategy.get("min_clients")) / int(clients)
+    sampling = Sampling.from_mapping(cfg.strategy, client_count(cfg))
+    return sampling.train_size / sampling.num_clients
 
 
 def private_update(cfg, received: ArrayRecord, arrays: ArrayRecord, privacy: Privacy, *, server_round: int,

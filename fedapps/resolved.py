@@ -17,3 +17,9 @@ def from_yaml(text: str) -> DictConfig:
     cfg = OmegaConf.create(text)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def client_count(cfg) -> int:
+    """The run's clients: ``num_clients``, else the task's ``default_clients`` — the same number
+    whether the run starts with ``flwr run`` or ``postcard``."""
+    return int(cfg.get("num_clients") or cfg.task.default_clients)

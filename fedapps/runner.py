@@ -32,6 +32,7 @@ from threadpoolctl import ThreadpoolController
 from fedapps import checkpoint as ckpt
 from fedapps import registry
 from fedapps.config import to_yaml
+from fedapps.resolved import client_count
 from strategies import packing
 
 # errors Flower itself puts in place of a reply that will never come
@@ -73,12 +74,6 @@ def wait_for_nodes(grid: Grid, wanted: int | None, seconds: float, settle: float
                 return count
             raise ServerSetupError(f"{count} SuperNode(s) connected after {seconds:.0f} s, {wanted or 1} needed ({hint})")
         time.sleep(0.5)
-
-
-def client_count(cfg) -> int:
-    """The run's clients: ``num_clients``, else the task's ``default_clients`` — the same number
-    whether the run starts with ``flwr run`` or ``postcard``."""
-    return int(cfg.num_clients or cfg.task.default_clients)
 
 
 def collect_replies(

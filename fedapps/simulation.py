@@ -24,7 +24,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedapps.client_app import app as client_app
-from fedapps.runner import client_count, run_server
+from fedapps.resolved import client_count
+from fedapps.runner import run_server
 
 
 def client_resources(cfg, num_clients: int) -> dict:

@@ -74,7 +74,7 @@ def precheck(args: list[str]) -> str | None:
     from flwr.common.config import parse_config_args
 
     from fedapps.config import ConfigError, compose_from_run_config
-    from fedapps.runner import client_count
+    from fedapps.resolved import client_count
 
     try:
         run_config = parse_config_args(_values(args, "--run-config"))
@@ -226,7 +226,7 @@ def run_composed(cfg, overrides: list[str], conf_path: list[str] = ()) -> tuple[
 
     from fedapps.config import GROUPS
     from fedapps.outputs import output_root, run_name
-    from fedapps.runner import client_count
+    from fedapps.resolved import client_count
     from fedapps.simulation import client_resources
 
     groups, rest = {}, []

@@ -50,7 +50,7 @@ from strategies.exchange import PlainExchange
 from strategies.hooks import MethodHooks
 from strategies.ledger import RoundLedger, RoundRecord
 from strategies.privacy import Privacy
-from strategies.release import PlainRelease, PrivateRelease, check_releasable, sampling_minimum
+from strategies.release import PlainRelease, PrivateRelease, Sampling, check_releasable
 from strategies.robust import Robustness
 from strategies.screening import NUM_EXAMPLES, Reply, aggregate_metrics, screen
 from strategies.secure_round import SecureSettings
@@ -74,9 +74,10 @@ class PayloadFedAvg(MethodHooks, FedAvg):
                  robustness: Robustness | None = None, secure: SecureSettings | None = None,
                  privacy: Privacy | None = None, channel: LatentChannel | None = None,
                  server_optimizer: ServerOptimizer | None = None) -> None:
-        least = sampling_minimum(num_clients, min_clients)  # min_available_nodes: all registered, by default
-        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, min_train_nodes=least,
-                         min_evaluate_nodes=least, min_available_nodes=num_clients if min_clients is None else least)
+        self.sampling = Sampling(int(num_clients), fraction_train, fraction_evaluate, min_clients)
+        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                         min_train_nodes=self.sampling.minimum, min_evaluate_nodes=self.sampling.minimum,
+                         min_available_nodes=self.sampling.min_available)
         up.check_settings(uplink=uplink, uplink_format=uplink_format, downlink_format=downlink_format,
                           topk_fraction=topk_fraction, powersgd_rank=powersgd_rank)
         self.global_state = {k: np.asarray(v, dtype=np.float32).copy() for k, v in initial_state.items()}

@@ -14,6 +14,7 @@ declares itself non-linear and is refused with either (``PayloadFedAvg.linear``)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
 import numpy as np
@@ -31,6 +32,52 @@ def sample_size(num_clients: int, fraction: float, min_clients: int | None = Non
     """Clients a round samples, as Flower's FedAvg does: ``max(⌊N·fraction⌋, minimum)``, at most N."""
     return min(int(num_clients), max(int(int(num_clients) * float(fraction)),
                                      sampling_minimum(num_clients, min_clients)))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which clients a round samples (the ``strategy`` group's ``fraction_train``, ``fraction_evaluate`` and
+    ``min_clients`` over ``num_clients``), checked once when built, as PEFT's configs check themselves: the
+    config check (``fedapps.checks``) and the strategy build the same object; ValueError names the key."""
+
+    num_clients: int
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
+    min_clients: int | None = None
+
+    def __post_init__(self) -> None:
+        for key, value, low in (("fraction_train", self.fraction_train, "("),
+                                ("fraction_evaluate", self.fraction_evaluate, "[")):  # evaluation 0: none (Flower's)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 < value <= 1 or (low == "[" and value == 0)):
+                raise ValueError(f"strategy.{key} must be a number in {low}0, 1] (the share of clients a round "
+                                 f"samples), got {value!r}")
+        least = self.min_clients
+        if least is not None and (isinstance(least, bool) or not isinstance(least, int) or least < 1
+                                  or least > int(self.num_clients)):
+            raise ValueError(f"strategy.min_clients must be null or an integer in 1..num_clients "
+                             f"({self.num_clients}), got {least!r}")
+
+    @classmethod
+    def from_mapping(cls, strategy, num_clients: int) -> Sampling:
+        """From the ``strategy`` config block (a mapping) and the run's client count."""
+        return cls(int(num_clients), strategy.get("fraction_train", 1.0), strategy.get("fraction_evaluate", 1.0),
+                   strategy.get("min_clients"))
+
+    @property
+    def minimum(self) -> int:
+        """The fewest clients a round trains and evaluates (:func:`sampling_minimum`)."""
+        return sampling_minimum(self.num_clients, self.min_clients)
+
+    @property
+    def min_available(self) -> int:
+        """Connected nodes a round waits for: every registered client by default, else the minimum."""
+        return int(self.num_clients) if self.min_clients is None else self.minimum
+
+    @property
+    def train_size(self) -> int:
+        """Clients a round trains, as Flower samples them (:func:`sample_size`)."""
+        return sample_size(self.num_clients, self.fraction_train, self.min_clients)
 
 
 def check_releasable(what: str, strategy: type, aggregator: str, uplink_format: str) -> None:

@@ -73,7 +73,8 @@ def run(cfg, clients=None) -> dict:
     import torch
 
     from fedapps import session
-    from fedapps.runner import client_count, run_server
+    from fedapps.resolved import client_count
+    from fedapps.runner import run_server
 
     threads, rng = torch.get_num_threads(), (torch.random.get_rng_state(), np.random.get_state(), random.getstate())
     session._MODELS.clear()

@@ -303,7 +303,8 @@ def test_a_failed_run_is_marked_failed_and_one_that_cannot_start_leaves_no_folde
 def test_one_client_count_too_many_or_too_few_supernodes_are_refused_at_once(tmp_path):
     """num_clients (else the task's default_clients) is the run's client count under flwr run and
     postcard alike; a different number of SuperNodes is refused with the fix, and no folder made."""
-    from fedapps.runner import ServerSetupError, client_count, run_server
+    from fedapps.resolved import client_count
+    from fedapps.runner import ServerSetupError, run_server
 
     assert client_count(compose(task="mmlu")) == 5 and client_count(compose(preset="test")) == 2
     grid = FakeGrid(None)  # three SuperNodes

@@ -143,3 +143,18 @@ def test_the_exchange_is_chosen_once_and_the_runner_drives_only_it():
     s, sent = strategy(uplink="delta"), []
     s.exchange.run(1, [], lambda server_round, phase, messages: sent.append(phase) or [])
     assert sent == ["train"] and s.round_record()["round"] == 1
+
+
+def test_sampling_is_checked_once_where_it_is_built_by_the_config_check_and_the_strategy_alike():
+    from strategies.release import Sampling
+
+    sampling = Sampling(1000, fraction_train=0.1)
+    assert (sampling.minimum, sampling.min_available, sampling.train_size) == (2, 1000, 100)
+    assert Sampling(10, 0.1, 1.0, min_clients=4).min_available == 4  # a minimum given: rounds wait for it only
+    for bad, match in (({"fraction_train": 0}, r"strategy.fraction_train must be a number in \(0, 1\]"),
+                       ({"fraction_evaluate": 1.5}, r"strategy.fraction_evaluate must be a number in \[0, 1\]"),
+                       ({"min_clients": 11}, r"strategy.min_clients must be null or an integer in 1..num_clients")):
+        with pytest.raises(ValueError, match=match):
+            Sampling.from_mapping(bad, 10)
+        with pytest.raises(ValueError, match=match):  # the strategy refuses what the config check refuses
+            PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=10, **bad)
