@@ -155,7 +155,7 @@ class PayloadFedAvg(MethodHooks, FedAvg):
     def global_arrays(self) -> ArrayRecord:
         """The whole global state as fp32 (what ``aggregate_train`` returns); the downlink when that is the same."""
         if self.downlink_format == "fp32" and self.uplink_keys == sorted(self.global_state) \
-                and not self.latent_downlink and type(self).encode_downlink is MethodHooks.encode_downlink:
+                and not self.downlink.latent and type(self).encode_downlink is MethodHooks.encode_downlink:
             return self.downlink_arrays()
         return codec.encode(self.global_state, "fp32")
 

@@ -40,9 +40,10 @@ class Downlink:
         self._encoded = self._snapshot = None
 
     def arrays(self) -> ArrayRecord:
-        """What every client receives, encoded once per global state (the strategy's ``encode_downlink``)."""
+        """What every client receives, encoded once per global state: a latent downlink's history, or the
+        strategy's ``encode_downlink``."""
         if self._encoded is None:
-            self._encoded = self.strategy.encode_downlink()
+            self._encoded = self.latent_record() if self.latent else self.strategy.encode_downlink()
         return self._encoded
 
     def latent_record(self) -> ArrayRecord:

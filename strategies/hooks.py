@@ -51,9 +51,8 @@ class MethodHooks:
             cls.linear = False  # its own rule: not a mean DP or secure aggregation can release
 
     def encode_downlink(self) -> ArrayRecord:
-        """The federated keys in the downlink format (a subclass sends its own), or a latent downlink's history."""
-        if self.latent_downlink:
-            return self.downlink.latent_record()
+        """The federated keys in the downlink format (a method may send its own; a latent downlink's history is
+        the downlink stage's own, :meth:`strategies.downlink.Downlink.latent_record`)."""
         return codec.encode({k: self.global_state[k] for k in self.uplink_keys}, self.downlink_format)
 
     def train_config_for(self, server_round: int, node_id: int, config: ConfigRecord) -> ConfigRecord:
