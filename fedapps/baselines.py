@@ -213,7 +213,7 @@ def plan_lora_server(cfg, strategy_cls, *, on_round_end, config_yaml: str, **str
     strategy = strategy_cls(
         initial_state={k: v.numpy() for k, v in all_lora_state(model).items()},
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
-        uplink_format=str(cfg.algorithm.payload),
+        **uplink_kwargs(cfg.algorithm),
         **strategy_kwargs,
     )
 

@@ -18,7 +18,7 @@ from fedapps.checks_data import (check_base, check_eval_split, check_model_path,
 from fedapps.method import ConfigError
 from fedapps.resolved import client_count
 from strategies.release import Sampling
-from strategies.uplink import uplink_of
+from strategies.uplink import Wire, uplink_of
 
 
 # keys whose values must be numbers: (dotted key, type, lower bound)
@@ -215,7 +215,7 @@ def _dense_mean_only(cfg: DictConfig, method, what: str, why: str) -> None:
         raise ConfigError(f"{what} cannot carry algorithm '{method.name}': its strategy combines the clients' "
                           f"updates by a rule of its own (it overrides the combine hook), but {what} {why} and "
                           "works on the weighted mean of dense updates of one layout")
-    payload = str(cfg.algorithm.get("payload", "fp32"))
+    payload = Wire.of(cfg.algorithm).format
     if payload in DENSE_ONLY:
         raise ConfigError(f"{what} cannot carry algorithm '{cfg.algorithm.name}' with payload "
                           f"'{cfg.algorithm.get('payload')}': {DENSE_ONLY[payload]}")
@@ -269,3 +269,7 @@ def _check_uplink(algorithm, method) -> None:
             check_format(fmt, comp.get("topk_fraction"), comp.get("powersgd_rank"))
         except ValueError as err:
             raise ConfigError(f"algorithm.compression: {err}") from None
+    try:  # what the strategy and the clients build (one default per key), as they build it
+        Wire.of(algorithm)
+    except ValueError as err:
+        raise ConfigError(f"algorithm: {err}") from None

@@ -192,7 +192,6 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         fingerprint=extra["fingerprint"],
         initial_state={LATENT_KEY: np.zeros(extra["latents"], np.float32)},
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
-        downlink_format=str(cfg.algorithm.downlink),
         reply=str(cfg.algorithm.get("reply", "full")),
         **uplink_kwargs(cfg.algorithm),
     )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from strategies.uplink import uplink_of
+from strategies.uplink import Wire
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,6 @@ def strategy_settings(cfg, *, config_yaml: str, on_round_end) -> dict:
 
 
 def uplink_kwargs(algorithm) -> dict:
-    """The strategy's uplink settings from ``algorithm.payload/uplink/compression``."""
-    comp = algorithm.get("compression") or {}
-    return dict(uplink_format=str(algorithm.payload), uplink=uplink_of(algorithm),
-                topk_fraction=comp.get("topk_fraction"), powersgd_rank=comp.get("powersgd_rank"))
+    """The strategy's wire settings from ``algorithm.payload/downlink/uplink/compression``
+    (:class:`strategies.uplink.Wire`: one default per key, checked once)."""
+    return Wire.of(algorithm).strategy_kwargs()

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord
 from strategies import codec
 from fedapps.resolved import client_count
 from strategies.release import Sampling
-from strategies.uplink import uplink_of
+from strategies.uplink import Wire, uplink_of
 from strategies.privacy import Privacy, add_noise, clip_update
 
 
@@ -54,5 +54,5 @@ def private_update(cfg, received: ArrayRecord, arrays: ArrayRecord, privacy: Pri
     if privacy.mode == "local":
         clipped = add_noise(clipped, privacy.client_std, privacy.rng(server_round, partition_id))
     out = {k: (received[k] + v) if absolute else v for k, v in clipped.items()}
-    fmt = str(cfg.algorithm.get("payload", "fp32"))
+    fmt = Wire.of(cfg.algorithm).format
     return codec.encode(out, fmt, rng=np.random.default_rng(seed) if fmt in codec.QUANTISED else None)

@@ -13,7 +13,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from omegaconf import OmegaConf
 
-from strategies.uplink import uplink_of
+from strategies.uplink import Wire, uplink_of
 from fedapps.session import ClientSetupError, client_config
 from strategies import codec
 from strategies.secure_client import (client_deliver, client_keys, client_mask, client_open, client_shares,
@@ -34,14 +34,14 @@ def settings_of(cfg) -> SecureSettings | None:
     block = cfg.get("secure_aggregation")
     if not block or not block.get("enabled"):
         return None
-    return SecureSettings.from_config(block, str(cfg.algorithm.get("payload", "fp32")), auto_clip(cfg))
+    return SecureSettings.from_config(block, Wire.of(cfg.algorithm).format, auto_clip(cfg))
 
 
 def method_view(cfg):
     """The configuration a method trains under: with secure aggregation its payload in fp32 and
     the mask's bits resolved (the masks quantise once, to the run's shared range)."""
     settings = settings_of(cfg)
-    if settings is None or str(cfg.algorithm.get("payload", "fp32")) == "fp32":
+    if settings is None or Wire.of(cfg.algorithm).format == "fp32":
         return cfg
     view = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     view.algorithm.payload = "fp32"

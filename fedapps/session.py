@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from fedapps.resolved import from_yaml
 from strategies.screening import CONFIG_RECORD
-from strategies.uplink import uplink_of
+from strategies.uplink import Wire
 
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "model-path", "data-path", "device")
 
@@ -225,11 +225,12 @@ def uplink_record(cfg, context: Context, local: dict, received: dict, seed: int)
     from strategies.compress import UpdateCompressor
 
     algorithm = cfg.algorithm
-    fmt = str(algorithm.payload)
-    comp = algorithm.get("compression") or {}
-    compressor = UpdateCompressor(fmt, fraction=comp.get("topk_fraction"), rank=comp.get("powersgd_rank"),
-                                  error_feedback=bool(comp.get("error_feedback", True)), seed=int(cfg.seed))
-    if uplink_of(algorithm) == "delta":
+    wire = Wire.of(algorithm)
+    fmt = wire.format
+    compressor = UpdateCompressor(fmt, fraction=wire.topk_fraction, rank=wire.powersgd_rank,
+                                  error_feedback=bool((algorithm.get("compression") or {}).get("error_feedback", True)),
+                                  seed=int(cfg.seed))
+    if wire.uplink == "delta":
         values = {k: np.asarray(v, np.float32) - np.asarray(received[k], np.float32) for k, v in local.items()}
     else:
         values = {k: np.asarray(v, np.float32) for k, v in local.items()}

@@ -36,7 +36,7 @@ from clients.smartfed.config import MoREConfig
 from clients.pool import PoolError, backbone_fingerprint
 from fedapps.channel import channel_factory
 from fedapps.method import (ClientCall, ConfigError, Method, ServerPlan, Update, final_file, learning_rates,
-                            strategy_settings)
+                            strategy_settings, uplink_kwargs)
 from fedapps.pool import open_pool, require_pool
 from fedapps.session import ClientSetupError
 from strategies import codec, sparse
@@ -237,8 +237,7 @@ def plan_server(cfg, *, on_round_end, config_yaml: str) -> ServerPlan:
         eeqa=eeqa,
         backbone_fingerprint=fingerprint,
         **strategy_settings(cfg, config_yaml=config_yaml, on_round_end=on_round_end),
-        uplink_format=str(a.payload),
-        downlink_format=str(a.get("downlink", "fp32")),
+        **uplink_kwargs(a),
         latent=channel_factory(cfg),
         router_rounds=a.get("router_rounds"),
     )

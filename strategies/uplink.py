@@ -47,6 +47,37 @@ def check_settings(*, uplink: str, uplink_format: str, downlink_format: str, top
         raise ValueError(f"uplink format '{uplink_format}' compresses updates: it needs uplink='delta'")
 
 
+@dataclass(frozen=True)
+class Wire:
+    """A run's wire settings — what clients send (``uplink``: values or updates) in which ``format``, the
+    downlink's format, and a compressed format's parameters — with one default each, checked once when built
+    (:func:`check_settings`): :meth:`of` reads them from a method's ``algorithm`` block, for the config check,
+    the strategy (:meth:`strategy_kwargs`) and the clients alike."""
+
+    uplink: str = "absolute"
+    format: str = "fp32"
+    downlink_format: str = "fp32"
+    topk_fraction: float | None = None
+    powersgd_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        check_settings(uplink=self.uplink, uplink_format=self.format, downlink_format=self.downlink_format,
+                       topk_fraction=self.topk_fraction, powersgd_rank=self.powersgd_rank)
+
+    @classmethod
+    def of(cls, algorithm) -> Wire:
+        """From a method's config block: ``payload`` (fp32), ``downlink`` (fp32), ``uplink`` (absolute),
+        ``compression.topk_fraction`` / ``powersgd_rank``."""
+        comp = algorithm.get("compression") or {}
+        return cls(uplink_of(algorithm), str(algorithm.get("payload") or "fp32"),
+                   str(algorithm.get("downlink") or "fp32"), comp.get("topk_fraction"), comp.get("powersgd_rank"))
+
+    def strategy_kwargs(self) -> dict:
+        """The strategy's keyword arguments (``PayloadFedAvg``)."""
+        return dict(uplink=self.uplink, uplink_format=self.format, downlink_format=self.downlink_format,
+                    topk_fraction=self.topk_fraction, powersgd_rank=self.powersgd_rank)
+
+
 def update_of(payload: Mapping[str, np.ndarray], uplink: str, state: Mapping[str, np.ndarray]) -> dict:
     """What a validated payload changes: ``payload − global`` (float64) or the delta itself."""
     if uplink == "delta":

@@ -158,3 +158,15 @@ def test_sampling_is_checked_once_where_it_is_built_by_the_config_check_and_the_
             Sampling.from_mapping(bad, 10)
         with pytest.raises(ValueError, match=match):  # the strategy refuses what the config check refuses
             PayloadFedAvg(initial_state=STATE, config_yaml="", num_clients=10, **bad)
+
+
+def test_the_wire_settings_have_one_default_per_key_and_are_checked_when_built():
+    """#61: a method's payload, downlink, uplink and compression, read once (strategies.uplink.Wire) by the
+    config check, the strategy's keyword arguments and the clients; the defaults fp32 / fp32 / absolute."""
+    assert uplink.Wire.of({}) == uplink.Wire("absolute", "fp32", "fp32", None, None)
+    wire = uplink.Wire.of({"payload": "topk", "uplink": "delta", "compression": {"topk_fraction": 0.1}})
+    assert wire.strategy_kwargs()["uplink_format"] == "topk" and wire.topk_fraction == 0.1
+    with pytest.raises(ValueError, match="needs uplink='delta'"):
+        uplink.Wire.of({"payload": "topk", "compression": {"topk_fraction": 0.1}})
+    with pytest.raises(ValueError, match="unknown downlink format"):
+        uplink.Wire.of({"downlink": "int3"})
