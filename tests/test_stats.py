@@ -69,7 +69,7 @@ def test_mcnemar_from_the_discordant_counts():
 def test_the_reports_compute_their_intervals_here(monkeypatch):
     """The copies that were (issue #61) now give postcard.stats' numbers, to the bit."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import flite  # bench/flite.py
+    import flite_report  # bench/flite_report.py
 
     from bench.fednl.stats import t_interval
     from postcard.compare import paired_interval
@@ -80,5 +80,5 @@ def test_the_reports_compute_their_intervals_here(monkeypatch):
     fednl = t_interval(gaps)
     assert (fednl["mean"], *fednl["ci95"]) == mean_ci95(gaps) and fednl["p"] == t_test_p(gaps)
     runs = [{"seed": s, "final_accuracy": 0.8 + g, "initial_accuracy": 0.8} for s, g in enumerate(gaps)]
-    assert flite.gap_interval(runs, None) == mean_ci95([100 * (r["final_accuracy"] - 0.8) for r in runs])
-    assert flite.gap_interval(runs[:1], None) is None  # one seed: no interval
+    assert flite_report.gap_interval(runs, None) == mean_ci95([100 * (r["final_accuracy"] - 0.8) for r in runs])
+    assert flite_report.gap_interval(runs[:1], None) is None  # one seed: no interval
