@@ -74,12 +74,11 @@ class PayloadFedAvg(MethodHooks, FedAvg):
                  robustness: Robustness | None = None, secure: SecureSettings | None = None,
                  privacy: Privacy | None = None, channel: LatentChannel | None = None,
                  server_optimizer: ServerOptimizer | None = None) -> None:
-        self.sampling = Sampling(int(num_clients), fraction_train, fraction_evaluate, min_clients)
+        self.sampling = Sampling(int(num_clients), fraction_train, fraction_evaluate, min_clients)  # checked once
         super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=self.sampling.minimum, min_evaluate_nodes=self.sampling.minimum,
                          min_available_nodes=self.sampling.min_available)
-        up.check_settings(uplink=uplink, uplink_format=uplink_format, downlink_format=downlink_format,
-                          topk_fraction=topk_fraction, powersgd_rank=powersgd_rank)
+        self.wire = up.Wire(uplink, uplink_format, downlink_format, topk_fraction, powersgd_rank)  # checked once
         self.global_state = {k: np.asarray(v, dtype=np.float32).copy() for k, v in initial_state.items()}
         self.uplink_keys = sorted(uplink_keys) if uplink_keys is not None else sorted(self.global_state)
         if missing := set(self.uplink_keys) - set(self.global_state):
