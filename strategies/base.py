@@ -87,10 +87,10 @@ class PayloadFedAvg(MethodHooks, FedAvg):
             raise ValueError("the latent channel sends each round's latents: uplink='delta', fp32 or int4")
         if channel is not None and channel.keys != self.uplink_keys:
             raise ValueError("the latent channel must cover exactly the federated tensors")
-        self.channel, self.config_yaml, self.uplink = channel, config_yaml, uplink
-        self.uplink_format, self.downlink_format = uplink_format, downlink_format
-        self.spec = up.UplinkSpec.build(self.layout(), uplink_format, topk_fraction=topk_fraction,
-                                        powersgd_rank=powersgd_rank)
+        self.channel, self.config_yaml, self.uplink = channel, config_yaml, self.wire.uplink
+        self.uplink_format, self.downlink_format = self.wire.format, self.wire.downlink_format
+        self.spec = up.UplinkSpec.build(self.layout(), uplink_format, topk_fraction=self.wire.topk_fraction,
+                                        powersgd_rank=self.wire.powersgd_rank)
         self.robustness = robustness if robustness is not None else Robustness()
         self.secure, self.privacy = secure, privacy
         for what, settings in (("secure aggregation", secure), ("differential privacy", privacy)):

@@ -124,9 +124,7 @@ class MethodHooks:
             return self.after_mean(robust.aggregate([self.client_update(p) for p in payloads],
                                                     [float(w) for w in weights], self.robustness))
         mean = robust.weighted_mean(payloads, [float(w) for w in weights])
-        if self.uplink == "absolute":
-            mean = {k: v.astype(np.float64) - self.global_state[k] for k, v in mean.items()}
-        return self.after_mean(mean)
+        return self.after_mean(self.client_update(mean))  # the mean payload's update
 
     def after_mean(self, update: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A linear method's last word on the mean update, on every path (plain, DP, secure): as it is."""
